@@ -1,5 +1,8 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from ._mesh import current_mesh as current_mesh
+from ._mesh import init_mesh as init_mesh
+from ._mesh import use_mesh as use_mesh
 from ._placements import P as P
 from ._placements import Partial as Partial
 from ._placements import Placement as Placement
@@ -12,6 +15,9 @@ from ._placements import to_torch_placement as to_torch_placement
 __version__ = "0.1.0"
 
 __all__ = [
+    "current_mesh",
+    "init_mesh",
+    "use_mesh",
     "P",
     "Partial",
     "Placement",

@@ -1,0 +1,210 @@
+"""The device mesh: creating it, making it current, and resolving axis names to process groups.
+
+The mesh is a plain :class:`torch.distributed.device_mesh.DeviceMesh` with ``mesh_dim_names``;
+pshard adds no mesh class. The current mesh lives in a context variable, so it is restored on
+exit from :func:`use_mesh` and is private to each thread and task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["init_mesh", "use_mesh", "current_mesh", "AxisInfo", "resolve_axis"]
+
+_CURRENT_MESH: contextvars.ContextVar[DeviceMesh | None] = contextvars.ContextVar(
+    "pshard_current_mesh", default=None
+)
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+Axis = str | tuple[str, ...] | dist.ProcessGroup
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _init_default_group(backend: str | None) -> None:
+    """Initialise the default process group: torchrun's environment when present, else a
+    world of one process (an in-memory store, no network)."""
+    backend = backend or _default_backend()
+    if all(v in os.environ for v in _TORCHRUN_VARS):
+        if backend == "nccl" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend=backend, init_method="env://")
+    else:
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _device_type() -> str:
+    backend = str(dist.get_backend()).lower()
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def init_mesh(shape: dict[str, int] | None = None, *, backend: str | None = None) -> DeviceMesh:
+    """Create a device mesh over all ranks and make it the current mesh.
+
+    Initialises the default process group first when none exists: from torchrun's environment
+    when it is set, else a single-process group (world size 1), so the same code runs on a
+    laptop, under ``ps.spawn`` and under torchrun. The backend is NCCL when CUDA is available and
+    gloo otherwise, unless ``backend`` is given.
+
+    Args:
+        shape: mesh axis name -> size, major to minor; the sizes must multiply to the world
+            size. ``None`` means one axis ``"world"`` over all ranks.
+        backend: process-group backend for a group created here (ignored when the default
+            group already exists).
+
+    Returns:
+        A ``DeviceMesh`` with ``mesh_dim_names`` equal to ``shape``'s keys.
+
+    Example:
+        >>> import pshard as ps
+        >>> mesh = ps.init_mesh()
+        >>> mesh.mesh_dim_names, mesh.size()
+        (('world',), 1)
+        >>> ps.current_mesh() is mesh
+        True
+    """
+    if not dist.is_initialized():
+        _init_default_group(backend)
+    world = dist.get_world_size()
+    if shape is None:
+        shape = {"world": world}
+    if not isinstance(shape, dict) or not shape:
+        raise TypeError(
+            f"init_mesh: shape must be a non-empty dict of axis name -> size, got {shape!r}"
+        )
+    for name, size in shape.items():
+        if not isinstance(name, str):
+            raise TypeError(f"init_mesh: axis names must be str, got {name!r} in shape {shape!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"init_mesh: axis {name!r} has size {size!r}; sizes must be ints >= 1")
+    if math.prod(shape.values()) != world:
+        raise ValueError(
+            f"init_mesh: shape {shape} has {math.prod(shape.values())} ranks but the world has "
+            f"{world}; make the sizes multiply to {world}"
+        )
+    mesh = init_device_mesh(
+        _device_type(), tuple(shape.values()), mesh_dim_names=tuple(shape.keys())
+    )
+    _CURRENT_MESH.set(mesh)
+    return mesh
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: DeviceMesh) -> Iterator[DeviceMesh]:
+    """Make ``mesh`` the current mesh inside the ``with`` block; the previous one comes back on
+    exit (also on an exception).
+
+    Example:
+        >>> import pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> with ps.use_mesh(mesh):
+        ...     ps.current_mesh().mesh_dim_names
+        ('sp',)
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"use_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
+    token = _CURRENT_MESH.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _CURRENT_MESH.reset(token)
+
+
+def current_mesh() -> DeviceMesh:
+    """The mesh set by the innermost :func:`use_mesh`, else the last :func:`init_mesh`.
+
+    Raises:
+        RuntimeError: when there is none.
+    """
+    mesh = _CURRENT_MESH.get()
+    if mesh is None:
+        raise RuntimeError(
+            "pshard: no current mesh; create one with ps.init_mesh({...}) or enter "
+            "ps.use_mesh(mesh)"
+        )
+    return mesh
+
+
+class AxisInfo(NamedTuple):
+    """One resolved axis: its process group, size and this rank's index on it."""
+
+    group: dist.ProcessGroup | None  # None when size == 1 (no communication needed)
+    size: int
+    rank: int
+    name: str
+
+
+def _axis_names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"expected a mesh-axis name, a tuple of names or a ProcessGroup, got {axis!r}"
+        )
+    return names
+
+
+def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshard") -> AxisInfo:
+    """Resolve ``axis`` (a mesh-axis name, a tuple of names, or a ProcessGroup) to its group,
+    size and this rank's index. A tuple of names is their product, major to minor, as in JAX.
+
+    Example:
+        >>> import pshard as ps
+        >>> mesh = ps.init_mesh({"dp": 1, "sp": 1})
+        >>> info = resolve_axis(("dp", "sp"))
+        >>> info.size, info.rank, info.name
+        (1, 0, 'dp,sp')
+    """
+    if isinstance(axis, dist.ProcessGroup):
+        size = dist.get_world_size(axis)
+        return AxisInfo(axis if size > 1 else None, size, dist.get_rank(axis), f"group{size}")
+    names = _axis_names(axis)
+    mesh = current_mesh() if mesh is None else mesh
+    dim_names = mesh.mesh_dim_names or ()
+    for n in names:
+        if n not in dim_names:
+            raise ValueError(
+                f"{fn}: axis {n!r} is not in the mesh; its axes are {dim_names} with sizes "
+                f"{tuple(mesh.shape)}"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"{fn}: axis {axis!r} names a mesh axis more than once")
+    sizes = [mesh.size(dim_names.index(n)) for n in names]
+    size = math.prod(sizes)
+    rank = 0
+    for n, s in zip(names, sizes, strict=True):
+        rank = rank * s + mesh.get_local_rank(n)
+    label = ",".join(names)
+    if size == 1:
+        return AxisInfo(None, 1, 0, label)
+    live = [n for n, s in zip(names, sizes, strict=True) if s > 1]
+    if len(live) == 1:
+        return AxisInfo(mesh.get_group(live[0]), size, rank, label)
+    group = _flattened_group(mesh, tuple(live))
+    return AxisInfo(group, size, rank, label)
+
+
+def _flattened_group(mesh: DeviceMesh, names: tuple[str, ...]) -> dist.ProcessGroup:
+    """The process group spanning several mesh axes in the given major-to-minor order.
+
+    DeviceMesh caches flattened meshes on its root mesh, so the group is created once."""
+    dim_names = mesh.mesh_dim_names or ()
+    order = [dim_names.index(n) for n in names]
+    if order != sorted(order):
+        raise ValueError(
+            f"axis {names!r}: a tuple of mesh axes must follow the mesh's order {dim_names}"
+        )
+    return mesh[names]._flatten().get_group()
