@@ -1,5 +1,18 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from ._collectives import all_gather as all_gather
+from ._collectives import all_to_all as all_to_all
+from ._collectives import axis_index as axis_index
+from ._collectives import axis_size as axis_size
+from ._collectives import broadcast as broadcast
+from ._collectives import pmax as pmax
+from ._collectives import pmean as pmean
+from ._collectives import pmin as pmin
+from ._collectives import ppermute as ppermute
+from ._collectives import psum as psum
+from ._collectives import psum_scatter as psum_scatter
+from ._debug import debug as debug
+from ._debug import debug_enabled as debug_enabled
 from ._mesh import current_mesh as current_mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import use_mesh as use_mesh
@@ -15,6 +28,19 @@ from ._placements import to_torch_placement as to_torch_placement
 __version__ = "0.1.0"
 
 __all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "broadcast",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "debug",
+    "debug_enabled",
     "current_mesh",
     "init_mesh",
     "use_mesh",

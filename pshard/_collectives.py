@@ -1,0 +1,689 @@
+"""Differentiable collectives that compose with ``torch.func``.
+
+Each collective is a ``torch.autograd.Function`` in the new style (``forward`` without ``ctx``,
+``setup_context``), so ``torch.func`` can transform it, with three rules beside the forward:
+
+* ``backward`` is the transpose (``psum`` -> ``psum``, ``all_gather`` -> ``psum_scatter``,
+  ``all_to_all(split, concat)`` -> ``all_to_all(concat, split)``, ``ppermute`` -> the inverse
+  permutation, ``broadcast`` -> a sum to the source); ``pmax``/``pmin`` send the summed
+  cotangent to the ranks holding the extreme value, split evenly between ties.
+* ``jvp`` pushes the tangent through the same collective (they are linear); ``pmax``/``pmin``
+  average the tangents of the ranks holding the extreme value.
+* ``vmap`` moves the batch dim to the front and runs the collective once on the whole batch,
+  with its dims shifted by one.
+
+The rules call the differentiable collectives again (never a bare ``torch.distributed`` call),
+so higher-order derivatives (``grad(grad)``, ``hessian``, ``vmap(grad)``, ``jacfwd(jacrev)``)
+work. The SPMD convention: every rank runs the same program; a rank's gradient is the
+derivative of the sum over ranks of their scalar losses with respect to its own input, which is
+what a single process that sees every rank's values computes.
+
+All ranks of an axis must pass tensors of the same shape and dtype (as in JAX; ``shard_map``
+pads uneven shards); debug mode (:func:`pshard.debug`) checks this.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import optree
+import torch
+import torch.distributed as dist
+
+from ._debug import check_collective, debug_enabled, perm_code
+from ._mesh import Axis, resolve_axis
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "broadcast",
+    "axis_index",
+    "axis_size",
+]
+
+T = TypeVar("T")
+Perm = tuple[tuple[int, int], ...]
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Comm(NamedTuple):
+    """A resolved axis plus whether debug checks are on; ``group`` is ``None`` for one rank."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    name: str
+    debug: bool
+
+
+def _comm(axis: Axis, fn: str) -> _Comm:
+    info = resolve_axis(axis, fn=fn)
+    return _Comm(info.group, info.size, info.rank, info.name, debug_enabled())
+
+
+# --- the raw communication (plain tensors, no autograd) -----------------------------------------
+
+
+def _all_reduce(x: torch.Tensor, c: _Comm, op: str) -> torch.Tensor:
+    if c.debug:
+        check_collective(op, c.group, c.name, x)
+    out = x.clone(memory_format=torch.contiguous_format)
+    red = {"psum": dist.ReduceOp.SUM, "pmax": dist.ReduceOp.MAX, "pmin": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(out, op=red, group=c.group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
+    if c.debug:
+        check_collective("all_gather", c.group, c.name, x, (dim, int(tiled)))
+    inp = x.contiguous()
+    buf = inp.new_empty((c.size, *inp.shape))
+    _all_gather_flat(buf.view(-1), inp.view(-1), group=c.group)  # flat: any backend, no copy
+    if tiled:  # (n, ..., s_dim, ...) -> (..., n * s_dim, ...), rank-major
+        return buf.movedim(0, dim).flatten(dim, dim + 1)
+    return buf.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
+    if c.debug:
+        check_collective("psum_scatter", c.group, c.name, x, (dim, int(tiled)))
+    blocks = x.unflatten(dim, (c.size, -1)) if tiled else x.unsqueeze(dim + 1)
+    inp = blocks.movedim(dim, 0).contiguous()  # block r is the r-th slab of the buffer
+    out = inp.new_empty(inp.shape[1:])
+    _reduce_scatter_flat(out.view(-1), inp.view(-1), group=c.group)
+    return out if tiled else out.squeeze(dim)
+
+
+def _all_to_all(x: torch.Tensor, c: _Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
+    if c.debug:
+        check_collective("all_to_all", c.group, c.name, x, (split_dim, concat_dim))
+    inp = x.unflatten(split_dim, (c.size, -1)).movedim(split_dim, 0).contiguous()
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out.view(-1), inp.view(-1), group=c.group)  # out[r]: from rank r
+    return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+
+def _ppermute(x: torch.Tensor, c: _Comm, perm: Perm) -> torch.Tensor:
+    if c.debug and c.group is not None:
+        check_collective("ppermute", c.group, c.name, x, (perm_code(perm),))
+    out = None
+    ops = []
+    inp = x.contiguous()
+    for src, dst in perm:
+        if src == dst == c.rank:
+            out = x.clone(memory_format=torch.contiguous_format)
+        elif src == c.rank:
+            peer = dist.get_global_rank(c.group, dst)
+            ops.append(dist.P2POp(dist.isend, inp, peer, c.group))
+        elif dst == c.rank:
+            out = torch.empty_like(inp)
+            peer = dist.get_global_rank(c.group, src)
+            ops.append(dist.P2POp(dist.irecv, out, peer, c.group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return torch.zeros_like(inp) if out is None else out
+
+
+def _broadcast(x: torch.Tensor, c: _Comm, src: int) -> torch.Tensor:
+    if c.debug:
+        check_collective("broadcast", c.group, c.name, x, (src,))
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.broadcast(out, src=dist.get_global_rank(c.group, src), group=c.group)
+    return out
+
+
+def _reduce(x: torch.Tensor, c: _Comm, dst: int) -> torch.Tensor:
+    if c.debug:
+        check_collective("reduce", c.group, c.name, x, (dst,))
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.reduce(out, dst=dist.get_global_rank(c.group, dst), group=c.group)
+    return out if c.rank == dst else out.zero_()
+
+
+# --- autograd / torch.func rules ------------------------------------------------------------------
+#
+# Every rule below calls `.apply` of a Function (never a raw collective) so that it can itself
+# be differentiated, batched or pushed forward by an outer transform.
+
+
+def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
+    return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
+
+
+def _shift(bdim: int | None, *dims: int) -> tuple[int, ...]:
+    return dims if bdim is None else tuple(d + 1 for d in dims)
+
+
+def _out_dim(bdim: int | None) -> int | None:
+    return None if bdim is None else 0
+
+
+class _PSum(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, c: _Comm) -> torch.Tensor:
+        return _all_reduce(x, c, "psum")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.c = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _PSum.apply(g, ctx.c), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _PSum.apply(t, ctx.c)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm) -> Any:
+        return _PSum.apply(_front(x, in_dims[0]), c), _out_dim(in_dims[0])
+
+
+class _PExtreme(torch.autograd.Function):
+    """pmax (op="pmax") or pmin (op="pmin")."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, c: _Comm, op: str) -> torch.Tensor:
+        return _all_reduce(x, c, op)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.c = inputs[1]
+        ctx.save_for_backward(inputs[0], output)
+        ctx.save_for_forward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # d/dx_r sum_s <g_s, out> = (sum_s g_s) * holds_r / (number of holders)
+        x, out = ctx.saved_tensors
+        holds = (x == out).to(g.dtype)
+        both = _PSum.apply(torch.stack([g, holds]), ctx.c)
+        return both[0] * holds / both[1], None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        # the mean of the holders' tangents
+        x, out = ctx.saved_tensors
+        holds = (x == out).to(t.dtype)
+        both = _PSum.apply(torch.stack([t * holds, holds]), ctx.c)
+        return both[0] / both[1]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, op: str) -> Any:
+        return _PExtreme.apply(_front(x, in_dims[0]), c, op), _out_dim(in_dims[0])
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
+        return _all_gather(x, c, dim, tiled)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.c, ctx.dim, ctx.tiled = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _PSumScatter.apply(g, ctx.c, ctx.dim, ctx.tiled), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _AllGather.apply(t, ctx.c, ctx.dim, ctx.tiled)
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dim: int, tiled: bool
+    ) -> Any:
+        (dim,) = _shift(in_dims[0], dim)
+        return _AllGather.apply(_front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
+
+
+class _PSumScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
+        return _reduce_scatter(x, c, dim, tiled)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.c, ctx.dim, ctx.tiled = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _AllGather.apply(g, ctx.c, ctx.dim, ctx.tiled), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _PSumScatter.apply(t, ctx.c, ctx.dim, ctx.tiled)
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dim: int, tiled: bool
+    ) -> Any:
+        (dim,) = _shift(in_dims[0], dim)
+        return _PSumScatter.apply(_front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, c: _Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
+        return _all_to_all(x, c, split_dim, concat_dim)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.c, ctx.split_dim, ctx.concat_dim = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _AllToAll.apply(g, ctx.c, ctx.concat_dim, ctx.split_dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _AllToAll.apply(t, ctx.c, ctx.split_dim, ctx.concat_dim)
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[Any, ...],
+        x: torch.Tensor,
+        c: _Comm,
+        split_dim: int,
+        concat_dim: int,
+    ) -> Any:
+        split_dim, concat_dim = _shift(in_dims[0], split_dim, concat_dim)
+        out = _AllToAll.apply(_front(x, in_dims[0]), c, split_dim, concat_dim)
+        return out, _out_dim(in_dims[0])
+
+
+class _PPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, c: _Comm, perm: Perm) -> torch.Tensor:
+        return _ppermute(x, c, perm)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.c, ctx.perm = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        inverse = tuple((dst, src) for src, dst in ctx.perm)
+        return _PPermute.apply(g, ctx.c, inverse), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _PPermute.apply(t, ctx.c, ctx.perm)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, perm: Perm) -> Any:
+        return _PPermute.apply(_front(x, in_dims[0]), c, perm), _out_dim(in_dims[0])
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, c: _Comm, src: int) -> torch.Tensor:
+        return _broadcast(x, c, src)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.c, ctx.src = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _Reduce.apply(g, ctx.c, ctx.src), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _Broadcast.apply(t, ctx.c, ctx.src)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, src: int) -> Any:
+        return _Broadcast.apply(_front(x, in_dims[0]), c, src), _out_dim(in_dims[0])
+
+
+class _Reduce(torch.autograd.Function):
+    """Sum to rank ``dst`` (zeros elsewhere): the transpose of broadcast."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, c: _Comm, dst: int) -> torch.Tensor:
+        return _reduce(x, c, dst)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.c, ctx.dst = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _Broadcast.apply(g, ctx.c, ctx.dst), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _Reduce.apply(t, ctx.c, ctx.dst)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dst: int) -> Any:
+        return _Reduce.apply(_front(x, in_dims[0]), c, dst), _out_dim(in_dims[0])
+
+
+# --- the public functions -------------------------------------------------------------------------
+
+
+def _map_leaves(
+    fn: str, x: Any, f: Callable[[torch.Tensor, Callable[[], str]], torch.Tensor]
+) -> Any:
+    """Apply ``f(leaf, path)`` to every tensor leaf of ``x``; ``path()`` names the leaf (``x``,
+    ``x['a'][0]``) for error messages. A leaf that is not a tensor is a ``TypeError``."""
+    if isinstance(x, torch.Tensor):
+        return f(x, lambda: "x")
+    leaves, spec = optree.tree_flatten(x, namespace="pshard")
+    paths = None
+
+    def path(i: int) -> Callable[[], str]:
+        def name() -> str:
+            nonlocal paths
+            if paths is None:
+                paths = optree.tree_flatten_with_accessor(x, namespace="pshard")[0]
+            return paths[i].codify("x")
+
+        return name
+
+    out = []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{fn}: {path(i)()} is a {type(leaf).__name__}, not a tensor; collectives take "
+                f"a tensor or a pytree of tensors (convert it with torch.as_tensor)"
+            )
+        out.append(f(leaf, path(i)))
+    return optree.tree_unflatten(spec, out)
+
+
+def _dim(
+    fn: str, arg: str, dim: int, x: torch.Tensor, path: Callable[[], str], extra: int = 0
+) -> int:
+    """Normalise a dim of ``x`` (``extra=1``: a new dim may be inserted at the end)."""
+    n = x.dim() + extra
+    try:
+        d = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"{fn}: {arg} must be an int, got {dim!r}") from None
+    if not -n <= d < n:
+        raise ValueError(
+            f"{fn}: {arg}={dim} is out of range for {path()} with {x.dim()} dims "
+            f"(shape {tuple(x.shape)}); use {arg} in [{-n}, {n - 1}]"
+        )
+    return d % n
+
+
+def _divisible(
+    fn: str, arg: str, d: int, x: torch.Tensor, path: Callable[[], str], size: int, name: str
+) -> None:
+    if x.shape[d] % size:
+        raise ValueError(
+            f"{fn}: {path()}.shape[{d}] == {x.shape[d]} ({arg}={d}, shape {tuple(x.shape)}) is "
+            f"not divisible by the size {size} of axis {name!r}; pad dim {d} to a multiple of "
+            f"{size}"
+        )
+
+
+def psum(x: T, axis: Axis) -> T:
+    """Sum ``x`` over the ranks of ``axis``; every rank gets the sum.
+
+    Args:
+        x: a tensor or a pytree of tensors, the same shapes and dtypes on every rank.
+        axis: a mesh-axis name of the current mesh, a tuple of names (their product, major to
+            minor) or a ``ProcessGroup``.
+
+    Returns:
+        The sum, with the structure of ``x``. Its transpose (gradient) is ``psum`` again: the
+        cotangents of every rank are summed.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.psum({"a": torch.ones(2)}, "sp")
+        {'a': tensor([1., 1.])}
+    """
+    c = _comm(axis, "psum")
+    return _map_leaves("psum", x, lambda t, _: t if c.group is None else _PSum.apply(t, c))
+
+
+def pmean(x: T, axis: Axis) -> T:
+    """Average ``x`` over the ranks of ``axis`` (``psum(x, axis) / axis_size(axis)``).
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.pmean(torch.tensor([2.0, 4.0]), "sp")
+        tensor([2., 4.])
+    """
+    c = _comm(axis, "pmean")
+    return _map_leaves(
+        "pmean", x, lambda t, _: t if c.group is None else _PSum.apply(t, c) / c.size
+    )
+
+
+def pmax(x: T, axis: Axis) -> T:
+    """Elementwise maximum of ``x`` over the ranks of ``axis``; every rank gets it.
+
+    The gradient (and tangent) goes to the ranks holding the maximum of each element, split
+    evenly between ties, as ``torch.amax`` does over a dim.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.pmax(torch.tensor([1.0, -3.0]), "sp")
+        tensor([ 1., -3.])
+    """
+    c = _comm(axis, "pmax")
+    return _map_leaves(
+        "pmax", x, lambda t, _: t if c.group is None else _PExtreme.apply(t, c, "pmax")
+    )
+
+
+def pmin(x: T, axis: Axis) -> T:
+    """Elementwise minimum of ``x`` over the ranks of ``axis``; see :func:`pmax`.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.pmin(torch.tensor([1.0, -3.0]), "sp")
+        tensor([ 1., -3.])
+    """
+    c = _comm(axis, "pmin")
+    return _map_leaves(
+        "pmin", x, lambda t, _: t if c.group is None else _PExtreme.apply(t, c, "pmin")
+    )
+
+
+def all_gather(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
+    """Gather ``x`` from every rank of ``axis``, in rank order.
+
+    ``tiled=True`` concatenates along ``dim`` (size ``n * x.shape[dim]``); ``tiled=False``
+    stacks along a new dim inserted at ``dim`` (size ``n``). Every rank must pass the same
+    shape (uneven gathers are not supported: pad first, as ``shard_map`` does). The transpose
+    is :func:`psum_scatter` with the same ``dim`` and ``tiled``.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.all_gather(torch.ones(2, 3), "sp", dim=1, tiled=False).shape
+        torch.Size([2, 1, 3])
+    """
+    c = _comm(axis, "all_gather")
+
+    def one(t: torch.Tensor, path: Callable[[], str]) -> torch.Tensor:
+        d = _dim("all_gather", "dim", dim, t, path, extra=0 if tiled else 1)
+        if c.group is None:
+            return t if tiled else t.unsqueeze(d)
+        return _AllGather.apply(t, c, d, bool(tiled))
+
+    return _map_leaves("all_gather", x, one)
+
+
+def psum_scatter(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
+    """Sum ``x`` over the ranks of ``axis`` and give rank ``r`` the ``r``-th block of the sum.
+
+    ``tiled=True``: ``x.shape[dim]`` must divide by the axis size ``n``; rank ``r`` gets the
+    ``r``-th of ``n`` equal slices along ``dim``. ``tiled=False``: ``x.shape[dim]`` must equal
+    ``n``; rank ``r`` gets index ``r`` along ``dim``, which is removed. The transpose is
+    :func:`all_gather` with the same ``dim`` and ``tiled``.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.psum_scatter(torch.arange(4.0), "sp")
+        tensor([0., 1., 2., 3.])
+    """
+    c = _comm(axis, "psum_scatter")
+
+    def one(t: torch.Tensor, path: Callable[[], str]) -> torch.Tensor:
+        d = _dim("psum_scatter", "dim", dim, t, path)
+        if tiled:
+            _divisible("psum_scatter", "dim", d, t, path, c.size, c.name)
+        elif t.shape[d] != c.size:
+            raise ValueError(
+                f"psum_scatter: with tiled=False, {path()}.shape[{d}] must equal the size "
+                f"{c.size} of axis {c.name!r}, got {t.shape[d]} (shape {tuple(t.shape)}); use "
+                f"tiled=True to scatter blocks of a longer dim"
+            )
+        if c.group is None:
+            return t if tiled else t.select(d, 0)
+        return _PSumScatter.apply(t, c, d, bool(tiled))
+
+    return _map_leaves("psum_scatter", x, one)
+
+
+def all_to_all(x: T, axis: Axis, *, split_dim: int, concat_dim: int) -> T:
+    """Split ``x`` into ``n`` blocks along ``split_dim``, send block ``j`` to rank ``j``, and
+    concatenate the blocks received along ``concat_dim`` in rank order.
+
+    ``x.shape[split_dim]`` must divide by the axis size ``n``; the result has
+    ``shape[split_dim] / n`` and ``shape[concat_dim] * n`` (the sequence <-> heads exchange of
+    Ulysses attention). The transpose swaps ``split_dim`` and ``concat_dim``.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.all_to_all(torch.ones(2, 4, 8), "sp", split_dim=2, concat_dim=1).shape
+        torch.Size([2, 4, 8])
+    """
+    c = _comm(axis, "all_to_all")
+
+    def one(t: torch.Tensor, path: Callable[[], str]) -> torch.Tensor:
+        s = _dim("all_to_all", "split_dim", split_dim, t, path)
+        k = _dim("all_to_all", "concat_dim", concat_dim, t, path)
+        if c.group is None:
+            return t
+        _divisible("all_to_all", "split_dim", s, t, path, c.size, c.name)
+        return _AllToAll.apply(t, c, s, k)
+
+    return _map_leaves("all_to_all", x, one)
+
+
+def _check_perm(perm: Sequence[tuple[int, int]], size: int, name: str) -> Perm:
+    try:
+        pairs = tuple((operator.index(s), operator.index(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"ppermute: perm must be a list of (src, dst) pairs of ints, got {perm!r}"
+        ) from None
+    for s, d in pairs:
+        if not (0 <= s < size and 0 <= d < size):
+            raise ValueError(
+                f"ppermute: perm pair ({s}, {d}) names a rank outside axis {name!r} of size "
+                f"{size}; ranks are 0..{size - 1}"
+            )
+    for i, role in ((1, "receives from"), (0, "sends to")):
+        seen: dict[int, tuple[int, int]] = {}
+        for p in pairs:
+            if p[i] in seen:
+                raise ValueError(
+                    f"ppermute: perm has rank {p[i]} as {'dst' if i else 'src'} twice "
+                    f"({seen[p[i]]} and {p}); each rank {role} at most one rank"
+                )
+            seen[p[i]] = p
+    return pairs
+
+
+def ppermute(x: T, axis: Axis, perm: Sequence[tuple[int, int]]) -> T:
+    """Send ``x`` from rank ``src`` to rank ``dst`` for each ``(src, dst)`` pair of ``perm``.
+
+    Ranks of ``axis`` that are no pair's ``dst`` get zeros. Every rank may appear at most once
+    as a source and at most once as a destination (a partial permutation); all ranks must pass
+    the same ``perm``. The transpose is the inverse permutation.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.ppermute(torch.ones(2), "sp", [(0, 0)])
+        tensor([1., 1.])
+        >>> ps.ppermute(torch.ones(2), "sp", [])
+        tensor([0., 0.])
+    """
+    c = _comm(axis, "ppermute")
+    pairs = _check_perm(perm, c.size, c.name)
+    if c.group is None and pairs:
+        return x
+    return _map_leaves("ppermute", x, lambda t, _: _PPermute.apply(t, c, pairs))
+
+
+def broadcast(x: T, axis: Axis, *, src: int = 0) -> T:
+    """Give every rank of ``axis`` rank ``src``'s ``x``.
+
+    The transpose sums the cotangents of every rank into rank ``src`` (zeros elsewhere): only
+    ``src``'s input affects the result.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.broadcast(torch.arange(3), "sp")
+        tensor([0, 1, 2])
+    """
+    c = _comm(axis, "broadcast")
+    try:
+        s = operator.index(src)
+    except TypeError:
+        raise TypeError(f"broadcast: src must be an int, got {src!r}") from None
+    if not 0 <= s < c.size:
+        raise ValueError(
+            f"broadcast: src={src} is not a rank of axis {c.name!r} of size {c.size}; use "
+            f"0..{c.size - 1}"
+        )
+    return _map_leaves(
+        "broadcast", x, lambda t, _: t if c.group is None else _Broadcast.apply(t, c, s)
+    )
+
+
+def axis_index(axis: Axis) -> int:
+    """This rank's index along ``axis`` (for a tuple of names: major to minor).
+
+    Example:
+        >>> import pshard as ps
+        >>> mesh = ps.init_mesh({"dp": 1, "sp": 1})
+        >>> ps.axis_index(("dp", "sp"))
+        0
+    """
+    return resolve_axis(axis, fn="axis_index").rank
+
+
+def axis_size(axis: Axis) -> int:
+    """The number of ranks along ``axis`` (for a tuple of names: the product).
+
+    Example:
+        >>> import pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> ps.axis_size("sp")
+        1
+    """
+    return resolve_axis(axis, fn="axis_size").size
