@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,7 +143,7 @@ def _inputs(name: str, kw: dict[str, Any], shape: tuple[int, ...], n: int, dtype
     }
 
 
-# --- the worker ------------------------------------------------------------------------------------
+# --- the worker ---------------------------------------------------------------------------------
 
 
 def _transforms_worker(
@@ -177,7 +178,7 @@ def _transforms_worker(
         out["jacrev"] = func.jacrev(op)(x)
         out["jacfwd"] = func.jacfwd(op)(x)
         out["hessian"] = func.hessian(curved)(x)
-        out["grad_grad"] = func.grad(lambda x: (func.grad(curved)(x) * v).sum())(x)
+        out["grad_grad"] = func.grad(lambda x, v=v: (func.grad(curved)(x) * v).sum())(x)
         xg = x.clone().requires_grad_()
         (gx,) = torch.autograd.grad(curved(xg), xg, create_graph=True)
         (gx * v).sum().backward()
@@ -206,7 +207,7 @@ def _gradchecks(op: Callable, X: torch.Tensor, n: int) -> bool:
     return ok
 
 
-# --- references ------------------------------------------------------------------------------------
+# --- references ---------------------------------------------------------------------------------
 
 
 def _references(name: str, kw: dict[str, Any], n: int, d: dict[str, torch.Tensor]) -> dict:
@@ -238,9 +239,12 @@ def _references(name: str, kw: dict[str, Any], n: int, d: dict[str, torch.Tensor
     return ref
 
 
-def _compare(name: str, kw: dict, n: int, data: list, got: list[list[dict]], **tol: float):
+def _compare(
+    name: str, kw: Any, n: int, data: list, got: list[list[dict]], names: Any = None, **tol: Any
+) -> None:
     for i, d in enumerate(data):
-        ref = _references(name, kw[i] if isinstance(kw, list) else kw, n, d)
+        op = names[i] if names else name
+        ref = _references(op, kw[i] if isinstance(kw, list) else kw, n, d)
         for r in range(n):
             res = got[r][i]
             for key, want in ref.items():
@@ -271,3 +275,235 @@ def test_transforms_float32_smoke(pool) -> None:
         per_rank = [[g[i]] for g in got]
         _compare(name, kw, world, [data[i]], per_rank, rtol=1e-4, atol=1e-4)
         assert per_rank[0][0]["fwd"].dtype == torch.float32
+
+
+def test_pmax_pmin_ties(pool) -> None:
+    """Ties share the gradient and the tangent evenly, as torch.amax/amin do over a dim."""
+    world = 4
+    X = torch.tensor(
+        [[1.0, 0.0, 0.0, 3.0], [1.0, 1.0, 5.0, 3.0], [1.0, 2.0, 5.0, 3.0], [1.0, 3.0, 0.0, 3.0]],
+        dtype=torch.float64,
+    )
+    cases, data = [], []
+    for name in ("pmax", "pmin"):
+        d = _inputs(name, {}, (4,), world, torch.float64)
+        d["X"], d["XB"] = X, torch.stack([X, -X, X.flip(1)], 1)
+        cases.append((name, {}, (4,)))
+        data.append(d)
+    got = pool.run(world, _transforms_worker, world, cases, data, torch.float64, False)
+    _compare("pmax/pmin", [{}, {}], world, data, got, names=["pmax", "pmin"])
+    # the split itself, spelled out: element 0 is held by all four ranks, element 2 by two
+    grad = torch.stack([g[0]["grad"] for g in got])
+    C = data[0]["C"]
+    torch.testing.assert_close(grad[:, 0], C[:, 0].sum().expand(4) / 4)
+    torch.testing.assert_close(grad[:, 2], C[:, 2].sum() * torch.tensor([0, 0.5, 0.5, 0]).double())
+
+
+# --- pytrees ------------------------------------------------------------------------------------
+
+Pair = collections.namedtuple("Pair", ["p", "q"])
+
+
+def _tree(T: torch.Tensor, none: bool = True) -> dict:
+    tree = {"a": T[0], "b": [T[1:3], (T[3],)], "nt": Pair(T[4], T[5])}
+    return {**tree, "none": None} if none else tree
+
+
+def _pytree_worker(world: int, X: torch.Tensor, C: torch.Tensor) -> dict:
+    ps.init_mesh({"x": world})
+    r = dist.get_rank()
+
+    def loss(tree: dict) -> torch.Tensor:
+        out = ps.all_gather(ps.psum(tree, "x"), "x", dim=-1)
+        return sum(
+            (o * c).sum() for o, c in zip(optree.tree_leaves(out), _leaves(C[r]), strict=True)
+        )
+
+    return {
+        "psum": ps.psum(_tree(X[r]), "x"),
+        "all_gather": ps.all_gather(_tree(X[r]), "x", dim=-1),
+        "grad": func.grad(loss)(_tree(X[r], none=False)),
+        "vmap": func.vmap(lambda t: ps.pmean(t, "x"), in_dims=-1)(_tree(X[r], none=False)),
+    }
+
+
+def _leaves(T: torch.Tensor) -> list[torch.Tensor]:
+    return optree.tree_leaves(_tree(T), namespace="pshard")
+
+
+def test_pytree_inputs(pool) -> None:
+    world = 2
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(world, 6, 3, 2, generator=g, dtype=torch.float64)
+    C = torch.randn(world, 6, 3, 2 * world, generator=g, dtype=torch.float64)
+
+    def gathered(X: torch.Tensor) -> torch.Tensor:  # every rank's all_gather(psum(x), dim=-1)
+        return torch.cat([X.sum(0)] * world, -1)
+
+    G = func.grad(lambda X: sum((gathered(X) * C[r]).sum() for r in range(world)))(X)
+    got = pool.run(world, _pytree_worker, world, X, C)
+    for r in range(world):
+        res = got[r]
+        assert res["psum"]["none"] is None and isinstance(res["psum"]["nt"], Pair)
+        assert isinstance(res["grad"]["nt"], Pair) and "none" not in res["grad"]
+        want = {
+            "psum": _leaves(X.sum(0)),
+            "all_gather": _leaves(torch.cat(list(X), -1)),
+            "grad": _leaves(G[r]),
+            "vmap": [t.movedim(-1, 0) for t in _leaves(X.mean(0))],
+        }
+        for key, leaves in want.items():
+            for out, ref in zip(optree.tree_leaves(res[key]), leaves, strict=True):
+                torch.testing.assert_close(out, ref, msg=lambda m, key=key: f"{key}: {m}")
+
+
+# --- axes: names, tuples of names, process groups ------------------------------------------------
+
+
+def _axes_worker() -> dict:
+    mesh = ps.init_mesh({"a": 2, "b": 2})
+    g = dist.get_rank()  # == 2 * a + b on a row-major mesh
+    x = torch.tensor([float(g)], dtype=torch.float64)
+    w = torch.arange(4.0, dtype=torch.float64)
+    return {
+        "index": [ps.axis_index(ax) for ax in ("a", "b", ("a", "b"))],
+        "size": [ps.axis_size(ax) for ax in ("a", "b", ("a", "b"), mesh.get_group("b"))],
+        "psum_a": ps.psum(x, "a"),
+        "psum_b": ps.psum(x, "b"),
+        "psum_ab": ps.psum(x, ("a", "b")),
+        "gather_a": ps.all_gather(x, "a"),
+        "gather_ab": ps.all_gather(x, ("a", "b")),
+        "gather_group_b": ps.all_gather(x, mesh.get_group("b")),
+        "gather_world": ps.all_gather(x, dist.group.WORLD),
+        "grad_ab": func.grad(lambda x: (ps.all_gather(x, ("a", "b")) * w).sum())(x),
+        "vmap_grad_group": func.vmap(
+            func.grad(lambda x: (ps.all_gather(x, mesh.get_group("a")) * w[:2]).sum())
+        )(torch.stack([x, 2 * x])),
+        "ppermute_ab": ps.ppermute(x, ("a", "b"), [(i, (i + 1) % 4) for i in range(4)]),
+        "broadcast_b": ps.broadcast(x, "b", src=1),
+    }
+
+
+def test_axis_forms(pool) -> None:
+    got = pool.run(4, _axes_worker)
+    for g, res in enumerate(got):
+        a, b = divmod(g, 2)
+        f = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+        assert res["index"] == [a, b, g]
+        assert res["size"] == [2, 2, 4, 2]
+        torch.testing.assert_close(res["psum_a"], f(b + (2 + b)))
+        torch.testing.assert_close(res["psum_b"], f(2 * a + (2 * a + 1)))
+        torch.testing.assert_close(res["psum_ab"], f(6))
+        torch.testing.assert_close(res["gather_a"], f(b, 2 + b))
+        torch.testing.assert_close(res["gather_ab"], f(0, 1, 2, 3))
+        torch.testing.assert_close(res["gather_group_b"], f(2 * a, 2 * a + 1))
+        torch.testing.assert_close(res["gather_world"], f(0, 1, 2, 3))
+        # every rank's cotangent is w; all_gather's transpose sums them and takes slot g
+        torch.testing.assert_close(res["grad_ab"], f(4 * g))
+        torch.testing.assert_close(res["vmap_grad_group"], f(2 * a, 2 * a)[:, None])
+        torch.testing.assert_close(res["ppermute_ab"], f((g - 1) % 4))
+        torch.testing.assert_close(res["broadcast_b"], f(2 * a + 1))
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+def _error_worker() -> dict:
+    ps.init_mesh({"x": 2})
+    x = torch.zeros(3, 4)
+    calls = {
+        "unknown_axis": lambda: ps.psum(x, "tp"),
+        "dup_dst": lambda: ps.ppermute(x, "x", [(0, 1), (1, 1)]),
+        "dup_src": lambda: ps.ppermute(x, "x", [(0, 1), (0, 0)]),
+        "perm_range": lambda: ps.ppermute(x, "x", [(0, 2)]),
+        "perm_type": lambda: ps.ppermute(x, "x", [0, 1]),
+        "split": lambda: ps.all_to_all({"q": [x]}, "x", split_dim=0, concat_dim=1),
+        "scatter_tiled": lambda: ps.psum_scatter(x, "x", dim=0),
+        "scatter_untiled": lambda: ps.psum_scatter(x, "x", dim=1, tiled=False),
+        "dim_range": lambda: ps.all_gather(x, "x", dim=2),
+        "leaf": lambda: ps.psum({"a": [x, 1.0]}, "x"),
+        "src": lambda: ps.broadcast(x, "x", src=2),
+    }
+    out = {}
+    for key, call in calls.items():
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            out[key] = f"{type(e).__name__}: {e}"
+        else:
+            out[key] = "no error"
+    # the group is still in step after all of those
+    out["after"] = ps.psum(torch.ones(1), "x")
+    return out
+
+
+def test_error_messages(pool) -> None:
+    got = pool.run(2, _error_worker)
+    assert got[0] == {**got[1], "after": got[0]["after"]}
+    torch.testing.assert_close(got[0]["after"], torch.tensor([2.0]))
+    msgs = got[0]
+    want = {
+        "unknown_axis": "ValueError: psum: axis 'tp' is not in the mesh; its axes are ('x',) "
+        "with sizes (2,)",
+        "dup_dst": "ValueError: ppermute: perm has rank 1 as dst twice ((0, 1) and (1, 1)); each "
+        "rank receives from at most one rank",
+        "dup_src": "ValueError: ppermute: perm has rank 0 as src twice ((0, 1) and (0, 0)); each "
+        "rank sends to at most one rank",
+        "perm_range": "ValueError: ppermute: perm pair (0, 2) names a rank outside axis 'x' of "
+        "size 2; ranks are 0..1",
+        "perm_type": "TypeError: ppermute: perm must be a list of (src, dst) pairs of ints, got "
+        "[0, 1]",
+        "split": "ValueError: all_to_all: x['q'][0].shape[0] == 3 (split_dim=0, shape (3, 4)) is "
+        "not divisible by the size 2 of axis 'x'; pad dim 0 to a multiple of 2",
+        "scatter_tiled": "ValueError: psum_scatter: x.shape[0] == 3 (dim=0, shape (3, 4)) is not "
+        "divisible by the size 2 of axis 'x'; pad dim 0 to a multiple of 2",
+        "scatter_untiled": "ValueError: psum_scatter: with tiled=False, x.shape[1] must equal the "
+        "size 2 of axis 'x', got 4 (shape (3, 4)); use tiled=True to scatter blocks of a longer "
+        "dim",
+        "dim_range": "ValueError: all_gather: dim=2 is out of range for x with 2 dims (shape "
+        "(3, 4)); use dim in [-2, 1]",
+        "leaf": "TypeError: psum: x['a'][1] is a float, not a tensor; collectives take a tensor "
+        "or a pytree of tensors (convert it with torch.as_tensor)",
+        "src": "ValueError: broadcast: src=2 is not a rank of axis 'x' of size 2; use 0..1",
+    }
+    for key, text in want.items():
+        assert msgs[key] == text, key
+
+
+def _split_error_worker() -> None:
+    ps.init_mesh({"x": 2})
+    ps.all_to_all(torch.zeros(2, 3), "x", split_dim=1, concat_dim=0)
+
+
+def test_error_crosses_the_pool(pool) -> None:
+    text = "all_to_all: x.shape[1] == 3 (split_dim=1, shape (2, 3)) is not divisible by the size 2"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        pool.run(2, _split_error_worker)
+
+
+# --- one rank: identity, no communication ---------------------------------------------------
+
+
+def test_world_of_one_is_identity() -> None:
+    ps.init_mesh({"sp": 1})
+    x = torch.randn(2, 4)
+    for y in (
+        ps.psum(x, "sp"),
+        ps.pmean(x, "sp"),
+        ps.pmax(x, "sp"),
+        ps.pmin(x, "sp"),
+        ps.all_gather(x, "sp", dim=1),
+        ps.psum_scatter(x, "sp", dim=1),
+        ps.all_to_all(x, "sp", split_dim=1, concat_dim=0),
+        ps.ppermute(x, "sp", [(0, 0)]),
+        ps.broadcast(x, "sp"),
+    ):
+        assert y is x
+    assert ps.all_gather(x, "sp", dim=-1, tiled=False).shape == (2, 4, 1)
+    assert ps.psum_scatter(x[None], "sp", tiled=False).shape == (2, 4)
+    assert torch.equal(ps.ppermute(x, "sp", []), torch.zeros(2, 4))
+    assert ps.axis_index("sp") == 0 and ps.axis_size("sp") == 1
+    with pytest.raises(ValueError, match=re.escape("pmax: axis 'tp' is not in the mesh")):
+        ps.pmax(x, "tp")
+    with pytest.raises(ValueError, match=re.escape("ppermute: perm pair (0, 1) names a rank")):
+        ps.ppermute(x, "sp", [(0, 1)])
