@@ -1,5 +1,12 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from ._layout import explicit_order as explicit_order
+from ._layout import global_shape_and_stride as global_shape_and_stride
+from ._layout import local_indices as local_indices
+from ._layout import local_shape_and_offset as local_shape_and_offset
+from ._layout import local_stride as local_stride
+from ._layout import shard_tensor as shard_tensor
+from ._layout import unshard_tensor as unshard_tensor
 from ._placements import P as P
 from ._placements import Partial as Partial
 from ._placements import Placement as Placement
@@ -18,6 +25,13 @@ __all__ = [
     "Replicate",
     "Shard",
     "StridedShard",
+    "explicit_order",
     "from_torch_placement",
+    "global_shape_and_stride",
+    "local_indices",
+    "local_shape_and_offset",
+    "local_stride",
+    "shard_tensor",
     "to_torch_placement",
+    "unshard_tensor",
 ]
