@@ -48,6 +48,7 @@ from optree import PyTreeKind, PyTreeSpec
 from ._placements import P, Placement, Replicate, Shard, StridedShard
 from ._tree import (
     NAMESPACE,
+    article,
     describe,
     is_block_mask,
     is_opaque,
@@ -168,12 +169,11 @@ def _match(spec: PyTreeSpec, value: PyTreeSpec) -> tuple[int, ...]:
 
 def _describe_node(td: PyTreeSpec) -> str:
     kind, cls = td.kind, td.type
-    name = cls.__qualname__ if cls is not None else ""
-    article = "an" if name[:1].lower() in "aeiou" else "a"
+    name = cls.__name__ if cls is not None else ""
     if kind == PyTreeKind.NONE:
         return "None"
     if kind in _SEQUENCES and kind != PyTreeKind.NAMEDTUPLE:
-        return f"{article} {name} of length {td.num_children}"
+        return f"{article(name)} of length {td.num_children}"
     keys = _keys(td)
     if keys is not None:
         if (
@@ -182,9 +182,9 @@ def _describe_node(td: PyTreeSpec) -> str:
             and not issubclass(cls, Mapping)
         ):
             what = "namedtuple" if kind == PyTreeKind.NAMEDTUPLE else "dataclass"
-            return f"{article} {name} ({what}) with fields {list(keys)}"
-        return f"{article} {name} with keys {list(keys)}"
-    return f"{article} {name} with {td.num_children} children"
+            return f"{article(name)} ({what}) with fields {list(keys)}"
+        return f"{article(name)} with keys {list(keys)}"
+    return f"{article(name)} with {td.num_children} children"
 
 
 def _prefix_error(
@@ -210,7 +210,8 @@ def _prefix_error(
         f"{where}{keystr(entries, name)}: the spec is {_describe_node(spec)} but the value is {got}"
     )
     skeys, vkeys = _keys(spec), (_keys(value) if value.kind not in _LEAVES else None)
-    if skeys is not None and vkeys is not None and set(skeys) != set(vkeys):
+    comparable = spec.kind in _DICTS or spec.type is value.type
+    if comparable and skeys is not None and vkeys is not None and set(skeys) != set(vkeys):
         missing = [k for k in vkeys if k not in set(skeys)]
         extra = [k for k in skeys if k not in set(vkeys)]
         details = []
@@ -358,7 +359,7 @@ def _leaf_error(leaf: Any, spec: Placement | P) -> str | None:
             )
         return None
     if is_opaque(leaf):
-        cls = type(leaf).__qualname__
+        cls = type(leaf).__name__
         return (
             f"{spec!r} but the value is {describe(leaf)}, which pshard cannot look into (it may "
             f"hold tensors); make {cls} a dataclass or Mapping, register it with "
@@ -379,7 +380,7 @@ def _allowed_text(allowed: tuple[type, ...]) -> str:
         elif cls is P:
             names.append("a P(...)")
         else:
-            names.append(f"a {cls.__qualname__}")
+            names.append(f"a {cls.__name__}")
     return ", ".join(names) + " or None"
 
 

@@ -43,6 +43,7 @@ Internal interface (used by the transforms):
 - ``is_block_mask(x)``: whether ``x`` is a flex-attention ``BlockMask``.
 - ``describe(x)``: a short description of a value for error messages
   (``"a tensor of shape (4, 1000)"``, ``"an int (5)"``, ``"a Foo"``).
+- ``article(word)``: ``"an int"``, ``"a UserDict"`` (for messages).
 - ``is_opaque(x)``: a leaf pshard cannot look into (not a tensor, BlockMask, scalar or string).
 """
 
@@ -67,6 +68,7 @@ except ImportError:  # pragma: no cover - torch without flex attention
 
 __all__ = [
     "NAMESPACE",
+    "article",
     "describe",
     "is_block_mask",
     "is_opaque",
@@ -217,9 +219,9 @@ def _mapping_node(cls: type, example: Any) -> tuple[Callable, Callable, type[PyT
             items = {k: items[k] for k in original}
         if build is None:
             raise TypeError(
-                f"pshard cannot rebuild a {cls.__qualname__} from its items (none of "
-                f"{cls.__qualname__}(items), {cls.__qualname__}(**items) gave one back); register "
-                f"it with optree.register_pytree_node({cls.__qualname__}, flatten, unflatten, "
+                f"pshard cannot rebuild a {cls.__name__} from its items (none of "
+                f"{cls.__name__}(items), {cls.__name__}(**items) gave one back); register "
+                f"it with optree.register_pytree_node({cls.__name__}, flatten, unflatten, "
                 f'namespace="pshard") before pshard sees it'
             )
         return build(items, factory)
@@ -338,8 +340,9 @@ def keystr(path: PyTreeAccessor | Sequence[Any], prefix: str = "") -> str:
     )
 
 
-def _article(word: str) -> str:
-    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
+def article(word: str) -> str:
+    """``word`` with its indefinite article: ``an int``, ``a tensor``, ``a UserDict``."""
+    return f"an {word}" if word[:1] in "aeioAEIO" else f"a {word}"
 
 
 def _short_repr(x: Any, limit: int = 40) -> str:
@@ -362,11 +365,11 @@ def describe(x: Any) -> str:
         return f"a tensor of shape {tuple(x.shape)}"
     if is_block_mask(x):
         return f"a BlockMask of shape {tuple(x.shape)}"
-    name = type(x).__qualname__
+    name = type(x).__name__
     if isinstance(x, (*_SCALAR_TYPES, Placement, P)):
-        return f"{_article(name)} ({_short_repr(x)})"
+        return f"{article(name)} ({_short_repr(x)})"
     if isinstance(x, Mapping):
-        return f"{_article(name)} with keys {_short_repr(list(x.keys()), 80)}"
+        return f"{article(name)} with keys {_short_repr(list(x.keys()), 80)}"
     if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
-        return f"{_article(name)} of length {len(x)}"
-    return _article(name)
+        return f"{article(name)} of length {len(x)}"
+    return article(name)

@@ -256,6 +256,8 @@ def test_describe() -> None:
     assert describe({"b": 1, "a": 2}) == "a dict with keys ['b', 'a']"
     assert describe([1, 2]) == "a list of length 2"
     assert describe(object()) == "an object"
+    assert describe(UserDict(a=1)) == "a UserDict with keys ['a']"
+    assert describe(OrderedDict()) == "an OrderedDict with keys []"
     assert describe(make_block_mask()) == f"a BlockMask of shape ({BATCH}, 1, 256, 256)"
 
 
