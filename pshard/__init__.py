@@ -13,6 +13,13 @@ from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
 from ._debug import debug as debug
 from ._debug import debug_enabled as debug_enabled
+from ._layout import explicit_order as explicit_order
+from ._layout import global_shape_and_stride as global_shape_and_stride
+from ._layout import local_indices as local_indices
+from ._layout import local_shape_and_offset as local_shape_and_offset
+from ._layout import local_stride as local_stride
+from ._layout import shard_tensor as shard_tensor
+from ._layout import unshard_tensor as unshard_tensor
 from ._mesh import current_mesh as current_mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import use_mesh as use_mesh
@@ -33,23 +40,30 @@ __all__ = [
     "axis_index",
     "axis_size",
     "broadcast",
+    "current_mesh",
+    "debug",
+    "debug_enabled",
+    "explicit_order",
+    "from_torch_placement",
+    "global_shape_and_stride",
+    "init_mesh",
+    "local_indices",
+    "local_shape_and_offset",
+    "local_stride",
+    "P",
+    "Partial",
+    "Placement",
     "pmax",
     "pmean",
     "pmin",
     "ppermute",
     "psum",
     "psum_scatter",
-    "debug",
-    "debug_enabled",
-    "current_mesh",
-    "init_mesh",
-    "use_mesh",
-    "P",
-    "Partial",
-    "Placement",
     "Replicate",
     "Shard",
+    "shard_tensor",
     "StridedShard",
-    "from_torch_placement",
     "to_torch_placement",
+    "unshard_tensor",
+    "use_mesh",
 ]
