@@ -28,12 +28,12 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-import optree
 import torch
 import torch.distributed as dist
 
 from ._debug import check_collective, debug_enabled, perm_code
 from ._mesh import Axis, resolve_axis
+from ._tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
 
 __all__ = [
     "psum",
@@ -385,27 +385,20 @@ def _map_leaves(
     ``x['a'][0]``) for error messages. A leaf that is not a tensor is a ``TypeError``."""
     if isinstance(x, torch.Tensor):
         return f(x, lambda: "x")
-    leaves, spec = optree.tree_flatten(x, namespace="pshard")
-    paths = None
+    leaves, treedef = tree_flatten(x)
 
     def path(i: int) -> Callable[[], str]:
-        def name() -> str:
-            nonlocal paths
-            if paths is None:
-                paths = optree.tree_flatten_with_accessor(x, namespace="pshard")[0]
-            return paths[i].codify("x")
-
-        return name
+        return lambda: keystr(leaf_path(treedef, i), "x")
 
     out = []
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
-                f"{fn}: {path(i)()} is a {type(leaf).__name__}, not a tensor; collectives take "
-                f"a tensor or a pytree of tensors (convert it with torch.as_tensor)"
+                f"{fn}: {path(i)()} is {describe(leaf)}, not a tensor; collectives take a "
+                f"tensor or a pytree of tensors (convert it with torch.as_tensor)"
             )
         out.append(f(leaf, path(i)))
-    return optree.tree_unflatten(spec, out)
+    return tree_unflatten(treedef, out)
 
 
 def _dim(

@@ -11,18 +11,19 @@ same transform, and compares rank ``r``'s answer with slice ``r``. The SPMD conv
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import zlib
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import pytest
 import torch
 import torch.distributed as dist
 from torch import func
 
 import pshard as ps
+from pshard import _tree as pshard_tree
 
 # torch.func.jvp scripts its decompositions on first use, which warns on torch 2.13
 pytestmark = pytest.mark.filterwarnings(
@@ -304,9 +305,16 @@ def test_pmax_pmin_ties(pool) -> None:
 Pair = collections.namedtuple("Pair", ["p", "q"])
 
 
-def _tree(T: torch.Tensor, none: bool = True) -> dict:
+@dataclasses.dataclass
+class Box:
+    u: torch.Tensor
+    note: str = dataclasses.field(default="", init=False)
+
+
+def _tree(T: torch.Tensor, extras: bool = True) -> dict:
+    """A nested tree of slices of ``T``; ``extras`` adds what torch.func cannot flatten."""
     tree = {"a": T[0], "b": [T[1:3], (T[3],)], "nt": Pair(T[4], T[5])}
-    return {**tree, "none": None} if none else tree
+    return {**tree, "none": None, "box": Box(T[6])} if extras else tree
 
 
 def _pytree_worker(world: int, X: torch.Tensor, C: torch.Tensor) -> dict:
@@ -315,27 +323,26 @@ def _pytree_worker(world: int, X: torch.Tensor, C: torch.Tensor) -> dict:
 
     def loss(tree: dict) -> torch.Tensor:
         out = ps.all_gather(ps.psum(tree, "x"), "x", dim=-1)
-        return sum(
-            (o * c).sum() for o, c in zip(optree.tree_leaves(out), _leaves(C[r]), strict=True)
-        )
+        leaves = zip(pshard_tree.tree_leaves(out), _leaves(C[r], extras=False), strict=True)
+        return sum((o * c).sum() for o, c in leaves)
 
     return {
         "psum": ps.psum(_tree(X[r]), "x"),
         "all_gather": ps.all_gather(_tree(X[r]), "x", dim=-1),
-        "grad": func.grad(loss)(_tree(X[r], none=False)),
-        "vmap": func.vmap(lambda t: ps.pmean(t, "x"), in_dims=-1)(_tree(X[r], none=False)),
+        "grad": func.grad(loss)(_tree(X[r], extras=False)),
+        "vmap": func.vmap(lambda t: ps.pmean(t, "x"), in_dims=-1)(_tree(X[r], extras=False)),
     }
 
 
-def _leaves(T: torch.Tensor) -> list[torch.Tensor]:
-    return optree.tree_leaves(_tree(T), namespace="pshard")
+def _leaves(T: torch.Tensor, extras: bool = True) -> list[torch.Tensor]:
+    return pshard_tree.tree_leaves(_tree(T, extras))
 
 
 def test_pytree_inputs(pool) -> None:
     world = 2
     g = torch.Generator().manual_seed(1)
-    X = torch.randn(world, 6, 3, 2, generator=g, dtype=torch.float64)
-    C = torch.randn(world, 6, 3, 2 * world, generator=g, dtype=torch.float64)
+    X = torch.randn(world, 7, 3, 2, generator=g, dtype=torch.float64)
+    C = torch.randn(world, 7, 3, 2 * world, generator=g, dtype=torch.float64)
 
     def gathered(X: torch.Tensor) -> torch.Tensor:  # every rank's all_gather(psum(x), dim=-1)
         return torch.cat([X.sum(0)] * world, -1)
@@ -345,15 +352,16 @@ def test_pytree_inputs(pool) -> None:
     for r in range(world):
         res = got[r]
         assert res["psum"]["none"] is None and isinstance(res["psum"]["nt"], Pair)
+        assert isinstance(res["all_gather"]["box"], Box)
         assert isinstance(res["grad"]["nt"], Pair) and "none" not in res["grad"]
         want = {
             "psum": _leaves(X.sum(0)),
             "all_gather": _leaves(torch.cat(list(X), -1)),
-            "grad": _leaves(G[r]),
-            "vmap": [t.movedim(-1, 0) for t in _leaves(X.mean(0))],
+            "grad": _leaves(G[r], extras=False),
+            "vmap": [t.movedim(-1, 0) for t in _leaves(X.mean(0), extras=False)],
         }
         for key, leaves in want.items():
-            for out, ref in zip(optree.tree_leaves(res[key]), leaves, strict=True):
+            for out, ref in zip(pshard_tree.tree_leaves(res[key]), leaves, strict=True):
                 torch.testing.assert_close(out, ref, msg=lambda m, key=key: f"{key}: {m}")
 
 
@@ -462,8 +470,8 @@ def test_error_messages(pool) -> None:
         "dim",
         "dim_range": "ValueError: all_gather: dim=2 is out of range for x with 2 dims (shape "
         "(3, 4)); use dim in [-2, 1]",
-        "leaf": "TypeError: psum: x['a'][1] is a float, not a tensor; collectives take a tensor "
-        "or a pytree of tensors (convert it with torch.as_tensor)",
+        "leaf": "TypeError: psum: x['a'][1] is a float (1.0), not a tensor; collectives take a "
+        "tensor or a pytree of tensors (convert it with torch.as_tensor)",
         "src": "ValueError: broadcast: src=2 is not a rank of axis 'x' of size 2; use 0..1",
     }
     for key, text in want.items():
