@@ -52,6 +52,12 @@ __all__ = [
 T = TypeVar("T")
 Perm = tuple[tuple[int, int], ...]
 
+try:  # Function.apply without its per-call signature binding (see _call)
+    from torch._C import _are_functorch_transforms_active as _transforms_active
+    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
+except ImportError:  # pragma: no cover - other torch versions: always the plain apply
+    _unwrap_dead = None
+
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -151,9 +157,18 @@ def _reduce(x: torch.Tensor, c: _Comm, dst: int) -> torch.Tensor:
     return out if c.rank == dst else out.zero_()
 
 
+def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``. With no ``torch.func`` transform active, skip ``Function.apply``'s
+    binding of default arguments through ``inspect.signature`` (about 20 us a call; every
+    argument here is positional, so there is nothing to bind) and do the rest of what it does."""
+    if _unwrap_dead is None or _transforms_active():
+        return fn.apply(*args)
+    return super(torch.autograd.Function, fn).apply(*_unwrap_dead(args))
+
+
 # --- autograd / torch.func rules ------------------------------------------------------------------
 #
-# Every rule below calls `.apply` of a Function (never a raw collective) so that it can itself
+# Every rule below calls a Function (through `_call`) (never a raw collective) so that it can itself
 # be differentiated, batched or pushed forward by an outer transform.
 
 
@@ -180,15 +195,15 @@ class _PSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _PSum.apply(g, ctx.c), None
+        return _call(_PSum, g, ctx.c), None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _PSum.apply(t, ctx.c)
+        return _call(_PSum, t, ctx.c)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm) -> Any:
-        return _PSum.apply(_front(x, in_dims[0]), c), _out_dim(in_dims[0])
+        return _call(_PSum, _front(x, in_dims[0]), c), _out_dim(in_dims[0])
 
 
 class _PExtreme(torch.autograd.Function):
@@ -209,7 +224,7 @@ class _PExtreme(torch.autograd.Function):
         # d/dx_r sum_s <g_s, out> = (sum_s g_s) * holds_r / (number of holders)
         x, out = ctx.saved_tensors
         holds = (x == out).to(g.dtype)
-        both = _PSum.apply(torch.stack([g, holds]), ctx.c)
+        both = _call(_PSum, torch.stack([g, holds]), ctx.c)
         return both[0] * holds / both[1], None, None
 
     @staticmethod
@@ -217,12 +232,12 @@ class _PExtreme(torch.autograd.Function):
         # the mean of the holders' tangents
         x, out = ctx.saved_tensors
         holds = (x == out).to(t.dtype)
-        both = _PSum.apply(torch.stack([t * holds, holds]), ctx.c)
+        both = _call(_PSum, torch.stack([t * holds, holds]), ctx.c)
         return both[0] / both[1]
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, op: str) -> Any:
-        return _PExtreme.apply(_front(x, in_dims[0]), c, op), _out_dim(in_dims[0])
+        return _call(_PExtreme, _front(x, in_dims[0]), c, op), _out_dim(in_dims[0])
 
 
 class _AllGather(torch.autograd.Function):
@@ -236,18 +251,18 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _PSumScatter.apply(g, ctx.c, ctx.dim, ctx.tiled), None, None, None
+        return _call(_PSumScatter, g, ctx.c, ctx.dim, ctx.tiled), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _AllGather.apply(t, ctx.c, ctx.dim, ctx.tiled)
+        return _call(_AllGather, t, ctx.c, ctx.dim, ctx.tiled)
 
     @staticmethod
     def vmap(
         info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dim: int, tiled: bool
     ) -> Any:
         (dim,) = _shift(in_dims[0], dim)
-        return _AllGather.apply(_front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
+        return _call(_AllGather, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
 
 
 class _PSumScatter(torch.autograd.Function):
@@ -261,18 +276,18 @@ class _PSumScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _AllGather.apply(g, ctx.c, ctx.dim, ctx.tiled), None, None, None
+        return _call(_AllGather, g, ctx.c, ctx.dim, ctx.tiled), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _PSumScatter.apply(t, ctx.c, ctx.dim, ctx.tiled)
+        return _call(_PSumScatter, t, ctx.c, ctx.dim, ctx.tiled)
 
     @staticmethod
     def vmap(
         info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dim: int, tiled: bool
     ) -> Any:
         (dim,) = _shift(in_dims[0], dim)
-        return _PSumScatter.apply(_front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
+        return _call(_PSumScatter, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
 
 
 class _AllToAll(torch.autograd.Function):
@@ -286,11 +301,11 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _AllToAll.apply(g, ctx.c, ctx.concat_dim, ctx.split_dim), None, None, None
+        return _call(_AllToAll, g, ctx.c, ctx.concat_dim, ctx.split_dim), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _AllToAll.apply(t, ctx.c, ctx.split_dim, ctx.concat_dim)
+        return _call(_AllToAll, t, ctx.c, ctx.split_dim, ctx.concat_dim)
 
     @staticmethod
     def vmap(
@@ -302,7 +317,7 @@ class _AllToAll(torch.autograd.Function):
         concat_dim: int,
     ) -> Any:
         split_dim, concat_dim = _shift(in_dims[0], split_dim, concat_dim)
-        out = _AllToAll.apply(_front(x, in_dims[0]), c, split_dim, concat_dim)
+        out = _call(_AllToAll, _front(x, in_dims[0]), c, split_dim, concat_dim)
         return out, _out_dim(in_dims[0])
 
 
@@ -318,15 +333,15 @@ class _PPermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         inverse = tuple((dst, src) for src, dst in ctx.perm)
-        return _PPermute.apply(g, ctx.c, inverse), None, None
+        return _call(_PPermute, g, ctx.c, inverse), None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _PPermute.apply(t, ctx.c, ctx.perm)
+        return _call(_PPermute, t, ctx.c, ctx.perm)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, perm: Perm) -> Any:
-        return _PPermute.apply(_front(x, in_dims[0]), c, perm), _out_dim(in_dims[0])
+        return _call(_PPermute, _front(x, in_dims[0]), c, perm), _out_dim(in_dims[0])
 
 
 class _Broadcast(torch.autograd.Function):
@@ -340,15 +355,15 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _Reduce.apply(g, ctx.c, ctx.src), None, None
+        return _call(_Reduce, g, ctx.c, ctx.src), None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _Broadcast.apply(t, ctx.c, ctx.src)
+        return _call(_Broadcast, t, ctx.c, ctx.src)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, src: int) -> Any:
-        return _Broadcast.apply(_front(x, in_dims[0]), c, src), _out_dim(in_dims[0])
+        return _call(_Broadcast, _front(x, in_dims[0]), c, src), _out_dim(in_dims[0])
 
 
 class _Reduce(torch.autograd.Function):
@@ -364,15 +379,15 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _Broadcast.apply(g, ctx.c, ctx.dst), None, None
+        return _call(_Broadcast, g, ctx.c, ctx.dst), None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _Reduce.apply(t, ctx.c, ctx.dst)
+        return _call(_Reduce, t, ctx.c, ctx.dst)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dst: int) -> Any:
-        return _Reduce.apply(_front(x, in_dims[0]), c, dst), _out_dim(in_dims[0])
+        return _call(_Reduce, _front(x, in_dims[0]), c, dst), _out_dim(in_dims[0])
 
 
 # --- the public functions -------------------------------------------------------------------------
@@ -448,7 +463,7 @@ def psum(x: T, axis: Axis) -> T:
         {'a': tensor([1., 1.])}
     """
     c = _comm(axis, "psum")
-    return _map_leaves("psum", x, lambda t, _: t if c.group is None else _PSum.apply(t, c))
+    return _map_leaves("psum", x, lambda t, _: t if c.group is None else _call(_PSum, t, c))
 
 
 def pmean(x: T, axis: Axis) -> T:
@@ -462,7 +477,7 @@ def pmean(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmean")
     return _map_leaves(
-        "pmean", x, lambda t, _: t if c.group is None else _PSum.apply(t, c) / c.size
+        "pmean", x, lambda t, _: t if c.group is None else _call(_PSum, t, c) / c.size
     )
 
 
@@ -480,7 +495,7 @@ def pmax(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmax")
     return _map_leaves(
-        "pmax", x, lambda t, _: t if c.group is None else _PExtreme.apply(t, c, "pmax")
+        "pmax", x, lambda t, _: t if c.group is None else _call(_PExtreme, t, c, "pmax")
     )
 
 
@@ -495,7 +510,7 @@ def pmin(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmin")
     return _map_leaves(
-        "pmin", x, lambda t, _: t if c.group is None else _PExtreme.apply(t, c, "pmin")
+        "pmin", x, lambda t, _: t if c.group is None else _call(_PExtreme, t, c, "pmin")
     )
 
 
@@ -519,7 +534,7 @@ def all_gather(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
         d = _dim("all_gather", "dim", dim, t, path, extra=0 if tiled else 1)
         if c.group is None:
             return t if tiled else t.unsqueeze(d)
-        return _AllGather.apply(t, c, d, bool(tiled))
+        return _call(_AllGather, t, c, d, bool(tiled))
 
     return _map_leaves("all_gather", x, one)
 
@@ -552,7 +567,7 @@ def psum_scatter(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
             )
         if c.group is None:
             return t if tiled else t.select(d, 0)
-        return _PSumScatter.apply(t, c, d, bool(tiled))
+        return _call(_PSumScatter, t, c, d, bool(tiled))
 
     return _map_leaves("psum_scatter", x, one)
 
@@ -579,7 +594,7 @@ def all_to_all(x: T, axis: Axis, *, split_dim: int, concat_dim: int) -> T:
         if c.group is None:
             return t
         _divisible("all_to_all", "split_dim", s, t, path, c.size, c.name)
-        return _AllToAll.apply(t, c, s, k)
+        return _call(_AllToAll, t, c, s, k)
 
     return _map_leaves("all_to_all", x, one)
 
@@ -628,7 +643,7 @@ def ppermute(x: T, axis: Axis, perm: Sequence[tuple[int, int]]) -> T:
     pairs = _check_perm(perm, c.size, c.name)
     if c.group is None and pairs:
         return x
-    return _map_leaves("ppermute", x, lambda t, _: _PPermute.apply(t, c, pairs))
+    return _map_leaves("ppermute", x, lambda t, _: _call(_PPermute, t, c, pairs))
 
 
 def broadcast(x: T, axis: Axis, *, src: int = 0) -> T:
@@ -654,7 +669,7 @@ def broadcast(x: T, axis: Axis, *, src: int = 0) -> T:
             f"0..{c.size - 1}"
         )
     return _map_leaves(
-        "broadcast", x, lambda t, _: t if c.group is None else _Broadcast.apply(t, c, s)
+        "broadcast", x, lambda t, _: t if c.group is None else _call(_Broadcast, t, c, s)
     )
 
 
