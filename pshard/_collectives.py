@@ -469,6 +469,8 @@ def psum(x: T, axis: Axis) -> T:
 def pmean(x: T, axis: Axis) -> T:
     """Average ``x`` over the ranks of ``axis`` (``psum(x, axis) / axis_size(axis)``).
 
+    Integer tensors give a floating-point mean (true division), as ``torch.mean`` would.
+
     Example:
         >>> import torch, pshard as ps
         >>> mesh = ps.init_mesh({"sp": 1})
@@ -476,9 +478,14 @@ def pmean(x: T, axis: Axis) -> T:
         tensor([2., 4.])
     """
     c = _comm(axis, "pmean")
-    return _map_leaves(
-        "pmean", x, lambda t, _: t if c.group is None else _call(_PSum, t, c) / c.size
-    )
+
+    def one(t: torch.Tensor, _: Any) -> torch.Tensor:
+        if c.group is not None:
+            return _call(_PSum, t, c) / c.size
+        # one rank: the identity, but integer inputs still give a float mean
+        return t if t.is_floating_point() or t.is_complex() else t / 1
+
+    return _map_leaves("pmean", x, one)
 
 
 def pmax(x: T, axis: Axis) -> T:

@@ -389,6 +389,7 @@ def _axes_worker() -> dict:
         )(torch.stack([x, 2 * x])),
         "ppermute_ab": ps.ppermute(x, ("a", "b"), [(i, (i + 1) % 4) for i in range(4)]),
         "broadcast_b": ps.broadcast(x, "b", src=1),
+        "pmean_int": ps.pmean(torch.tensor([g]), "a"),
     }
 
 
@@ -411,6 +412,7 @@ def test_axis_forms(pool) -> None:
         torch.testing.assert_close(res["vmap_grad_group"], f(2 * a, 2 * a)[:, None])
         torch.testing.assert_close(res["ppermute_ab"], f((g - 1) % 4))
         torch.testing.assert_close(res["broadcast_b"], f(2 * a + 1))
+        torch.testing.assert_close(res["pmean_int"], torch.tensor([b + 1.0]))
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -510,6 +512,7 @@ def test_world_of_one_is_identity() -> None:
     assert ps.all_gather(x, "sp", dim=-1, tiled=False).shape == (2, 4, 1)
     assert ps.psum_scatter(x[None], "sp", tiled=False).shape == (2, 4)
     assert torch.equal(ps.ppermute(x, "sp", []), torch.zeros(2, 4))
+    assert torch.equal(ps.pmean(torch.arange(3), "sp"), torch.arange(3.0))  # a float mean
     assert ps.axis_index("sp") == 0 and ps.axis_size("sp") == 1
     with pytest.raises(ValueError, match=re.escape("pmax: axis 'tp' is not in the mesh")):
         ps.pmax(x, "tp")
