@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from ._debug import check_collective, debug_enabled, perm_code
+from . import _comm as raw
+from ._comm import Comm as _Comm
+from ._comm import Perm
+from ._comm import comm as _comm
 from ._mesh import Axis, resolve_axis
 from ._tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
 
@@ -50,111 +52,12 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Perm = tuple[tuple[int, int], ...]
 
 try:  # Function.apply without its per-call signature binding (see _call)
     from torch._C import _are_functorch_transforms_active as _transforms_active
     from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 except ImportError:  # pragma: no cover - other torch versions: always the plain apply
     _unwrap_dead = None
-
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _Comm(NamedTuple):
-    """A resolved axis plus whether debug checks are on; ``group`` is ``None`` for one rank."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-    name: str
-    debug: bool
-
-
-def _comm(axis: Axis, fn: str) -> _Comm:
-    info = resolve_axis(axis, fn=fn)
-    return _Comm(info.group, info.size, info.rank, info.name, debug_enabled())
-
-
-# --- the raw communication (plain tensors, no autograd) -----------------------------------------
-
-
-def _all_reduce(x: torch.Tensor, c: _Comm, op: str) -> torch.Tensor:
-    if c.debug:
-        check_collective(op, c.group, c.name, x)
-    out = x.clone(memory_format=torch.contiguous_format)
-    red = {"psum": dist.ReduceOp.SUM, "pmax": dist.ReduceOp.MAX, "pmin": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(out, op=red, group=c.group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
-    if c.debug:
-        check_collective("all_gather", c.group, c.name, x, (dim, int(tiled)))
-    inp = x.contiguous()
-    buf = inp.new_empty((c.size, *inp.shape))
-    _all_gather_flat(buf.view(-1), inp.view(-1), group=c.group)  # flat: any backend, no copy
-    if tiled:  # (n, ..., s_dim, ...) -> (..., n * s_dim, ...), rank-major
-        return buf.movedim(0, dim).flatten(dim, dim + 1)
-    return buf.movedim(0, dim).contiguous()
-
-
-def _reduce_scatter(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
-    if c.debug:
-        check_collective("psum_scatter", c.group, c.name, x, (dim, int(tiled)))
-    blocks = x.unflatten(dim, (c.size, -1)) if tiled else x.unsqueeze(dim + 1)
-    inp = blocks.movedim(dim, 0).contiguous()  # block r is the r-th slab of the buffer
-    out = inp.new_empty(inp.shape[1:])
-    _reduce_scatter_flat(out.view(-1), inp.view(-1), group=c.group)
-    return out if tiled else out.squeeze(dim)
-
-
-def _all_to_all(x: torch.Tensor, c: _Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
-    if c.debug:
-        check_collective("all_to_all", c.group, c.name, x, (split_dim, concat_dim))
-    inp = x.unflatten(split_dim, (c.size, -1)).movedim(split_dim, 0).contiguous()
-    out = torch.empty_like(inp)
-    dist.all_to_all_single(out.view(-1), inp.view(-1), group=c.group)  # out[r]: from rank r
-    return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
-
-
-def _ppermute(x: torch.Tensor, c: _Comm, perm: Perm) -> torch.Tensor:
-    if c.debug and c.group is not None:
-        check_collective("ppermute", c.group, c.name, x, (perm_code(perm),))
-    out = None
-    ops = []
-    inp = x.contiguous()
-    for src, dst in perm:
-        if src == dst == c.rank:
-            out = x.clone(memory_format=torch.contiguous_format)
-        elif src == c.rank:
-            peer = dist.get_global_rank(c.group, dst)
-            ops.append(dist.P2POp(dist.isend, inp, peer, c.group))
-        elif dst == c.rank:
-            out = torch.empty_like(inp)
-            peer = dist.get_global_rank(c.group, src)
-            ops.append(dist.P2POp(dist.irecv, out, peer, c.group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return torch.zeros_like(inp) if out is None else out
-
-
-def _broadcast(x: torch.Tensor, c: _Comm, src: int) -> torch.Tensor:
-    if c.debug:
-        check_collective("broadcast", c.group, c.name, x, (src,))
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.broadcast(out, src=dist.get_global_rank(c.group, src), group=c.group)
-    return out
-
-
-def _reduce(x: torch.Tensor, c: _Comm, dst: int) -> torch.Tensor:
-    if c.debug:
-        check_collective("reduce", c.group, c.name, x, (dst,))
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.reduce(out, dst=dist.get_global_rank(c.group, dst), group=c.group)
-    return out if c.rank == dst else out.zero_()
 
 
 def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -168,8 +71,8 @@ def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
 
 # --- autograd / torch.func rules ------------------------------------------------------------------
 #
-# Every rule below calls a Function (through `_call`) (never a raw collective) so that it can itself
-# be differentiated, batched or pushed forward by an outer transform.
+# Every rule below calls a Function (through `_call`), never a raw collective, so that it can
+# itself be differentiated, batched or pushed forward by an outer transform.
 
 
 def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
@@ -187,7 +90,7 @@ def _out_dim(bdim: int | None) -> int | None:
 class _PSum(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm) -> torch.Tensor:
-        return _all_reduce(x, c, "psum")
+        return raw.all_reduce(x, c, "psum")
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -211,7 +114,7 @@ class _PExtreme(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, op: str) -> torch.Tensor:
-        return _all_reduce(x, c, op)
+        return raw.all_reduce(x, c, op)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -243,7 +146,7 @@ class _PExtreme(torch.autograd.Function):
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
-        return _all_gather(x, c, dim, tiled)
+        return raw.all_gather(x, c, dim, tiled)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -268,7 +171,7 @@ class _AllGather(torch.autograd.Function):
 class _PSumScatter(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
-        return _reduce_scatter(x, c, dim, tiled)
+        return raw.reduce_scatter(x, c, dim, tiled)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -293,7 +196,7 @@ class _PSumScatter(torch.autograd.Function):
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
-        return _all_to_all(x, c, split_dim, concat_dim)
+        return raw.all_to_all(x, c, split_dim, concat_dim)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -324,7 +227,7 @@ class _AllToAll(torch.autograd.Function):
 class _PPermute(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, perm: Perm) -> torch.Tensor:
-        return _ppermute(x, c, perm)
+        return raw.ppermute(x, c, perm)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -347,7 +250,7 @@ class _PPermute(torch.autograd.Function):
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, src: int) -> torch.Tensor:
-        return _broadcast(x, c, src)
+        return raw.broadcast(x, c, src)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -371,7 +274,7 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, dst: int) -> torch.Tensor:
-        return _reduce(x, c, dst)
+        return raw.reduce(x, c, dst)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
