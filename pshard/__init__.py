@@ -1,5 +1,6 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from ._batch_dim import infer_out_specs as infer_out_specs
 from ._mesh import current_mesh as current_mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import use_mesh as use_mesh
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "current_mesh",
+    "infer_out_specs",
     "init_mesh",
     "use_mesh",
     "P",
