@@ -68,16 +68,23 @@ def _flatten(tree: Any, root: str) -> tuple[list[str], list[Any], optree.PyTreeS
     return [accessor.codify(root) for accessor in accessors], leaves, treedef
 
 
-def _is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, Placement)
+def _is_placement(x: Any) -> bool:
+    return isinstance(x, Placement)
 
 
 def _broadcast_specs(api: str, prefix: Any, tree: Any, root: str) -> list[Any]:
-    """One spec per leaf of ``tree`` from the prefix tree ``prefix`` (``None`` stays ``None``)."""
+    """One spec per leaf of ``tree`` from the prefix tree ``prefix`` (``None`` = Replicate)."""
+    prefix = optree.tree_map(
+        lambda s: Replicate() if s is None else s,
+        prefix,
+        is_leaf=_is_placement,
+        none_is_leaf=True,
+        namespace=_NAMESPACE,
+    )
     try:
-        return optree.broadcast_prefix(prefix, tree, _is_spec_leaf, namespace=_NAMESPACE)
+        return optree.broadcast_prefix(prefix, tree, _is_placement, namespace=_NAMESPACE)
     except ValueError:
-        errors = optree.prefix_errors(prefix, tree, _is_spec_leaf, namespace=_NAMESPACE)
+        errors = optree.prefix_errors(prefix, tree, _is_placement, namespace=_NAMESPACE)
         detail = str(errors[0](root)) if errors else f"{root} is not a prefix of the arguments"
         raise ValueError(
             f"{api}: {root} must be a prefix tree of the arguments (a spec leaf applies to the "

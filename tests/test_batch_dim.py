@@ -183,6 +183,8 @@ def test_functional_call_mlp_with_cross_entropy():
 def test_module_in_closure_is_never_modified():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    old_grad = torch.ones(8)
+    model[0].bias.grad = old_grad
 
     def fn(x):
         out = model(x)
@@ -193,7 +195,23 @@ def test_module_in_closure_is_never_modified():
     assert infer(fn, torch.randn(6, 4)) == (MEAN, S0)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
-    assert all(p.grad is None for p in model.parameters())
+    assert model[0].bias.grad is old_grad
+    assert torch.equal(old_grad, torch.ones(8))
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "0.bias")
+
+
+def test_analysis_inside_another_trace_is_an_error():
+    def outer(x):
+        return ps.infer_out_specs(lambda y: y, x)
+
+    with pytest.raises(
+        ValueError, match=re.escape("failed with ValueError: infer_out_specs(")
+    ) as e:
+        infer(outer, torch.randn(4, 3))
+    assert str(e.value.__cause__) == (
+        "infer_out_specs(<lambda>) in_specs[0]: the input is already a fake tensor (an enclosing "
+        "trace); batch-dim analysis cannot run inside another trace: pass out_specs explicitly"
+    )
 
 
 def test_language_model_style_loss():
@@ -421,6 +439,16 @@ def test_input_spec_errors():
     assert str(info.value).startswith(
         "infer_out_specs(<lambda>): in_specs must be a prefix tree of the arguments"
     )
+
+
+def test_none_arguments_and_none_specs():
+    def fn(x, mask, extra):
+        return x if mask is None else x * mask, extra
+
+    x = torch.randn(4, 3)
+    assert infer(fn, x, None, (None, 2), in_specs=(S0, None, None)) == (S0, (None, R))
+    assert infer(fn, x, None, (None, 2), in_specs=(S0, R, (None, R))) == (S0, (None, R))
+    assert infer(fn, x, None, (None, 2)) == (S0, (None, R))
 
 
 def test_scalar_tensor_defaults_to_replicate():
