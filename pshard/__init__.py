@@ -1,6 +1,13 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
 from ._batch_dim import infer_out_specs as infer_out_specs
+from ._layout import explicit_order as explicit_order
+from ._layout import global_shape_and_stride as global_shape_and_stride
+from ._layout import local_indices as local_indices
+from ._layout import local_shape_and_offset as local_shape_and_offset
+from ._layout import local_stride as local_stride
+from ._layout import shard_tensor as shard_tensor
+from ._layout import unshard_tensor as unshard_tensor
 from ._mesh import current_mesh as current_mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import use_mesh as use_mesh
@@ -17,15 +24,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "current_mesh",
+    "explicit_order",
+    "from_torch_placement",
+    "global_shape_and_stride",
     "infer_out_specs",
     "init_mesh",
-    "use_mesh",
+    "local_indices",
+    "local_shape_and_offset",
+    "local_stride",
     "P",
     "Partial",
     "Placement",
     "Replicate",
     "Shard",
+    "shard_tensor",
     "StridedShard",
-    "from_torch_placement",
     "to_torch_placement",
+    "unshard_tensor",
+    "use_mesh",
 ]
