@@ -20,7 +20,7 @@ import functools
 import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -28,10 +28,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._placements import Partial, Placement, Replicate, Shard
+from ._specs import _keys as spec_keys
+from ._specs import resolve_specs
+from ._tree import (
+    NAMESPACE,
+    article,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 __all__ = ["infer_out_specs"]
-
-_NAMESPACE = "pshard"
 
 # The example value of the batch symbol while tracing: the first prime >= this that no input dim
 # has. It is deliberately not the real batch size, so that a batch of 1 is not specialised by
@@ -59,37 +67,37 @@ _SCALAR_TYPES = (
 
 
 # --------------------------------------------------------------------------------------------
-# Pytree access. Every flatten/unflatten of user values goes through these three functions.
+# Pytree access.
+
+
+def _spec_tree(treedef: optree.PyTreeSpec, specs: Sequence[Any]) -> Any:
+    """The spec tree of ``specs`` in the output's structure.
+
+    Each container is rebuilt as its own type; one whose constructor cannot take specs in
+    place of its values (a ``__post_init__`` that reads a tensor's shape) becomes a plain
+    ``dict`` of its keys (or a ``tuple``), which matches it as a spec tree prefix.
+    """
+    try:
+        return tree_unflatten(treedef, specs)
+    except Exception:  # a constructor choked on a placement: rebuild node by node
+        return _rebuild(treedef, iter(specs))
+
+
+def _rebuild(treedef: optree.PyTreeSpec, specs: Iterator[Any]) -> Any:
+    if treedef.kind == optree.PyTreeKind.LEAF:
+        return next(specs)
+    children = [_rebuild(child, specs) for child in treedef.children()]
+    try:
+        return treedef.one_level().unflatten(children)
+    except Exception:
+        keys = spec_keys(treedef)
+        return dict(zip(keys, children, strict=True)) if keys is not None else tuple(children)
 
 
 def _flatten(tree: Any, root: str) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
     """Leaves of ``tree`` with their key paths rendered under ``root`` (``output[1]['x']``)."""
-    accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree, namespace=_NAMESPACE)
-    return [accessor.codify(root) for accessor in accessors], leaves, treedef
-
-
-def _is_placement(x: Any) -> bool:
-    return isinstance(x, Placement)
-
-
-def _broadcast_specs(api: str, prefix: Any, tree: Any, root: str) -> list[Any]:
-    """One spec per leaf of ``tree`` from the prefix tree ``prefix`` (``None`` = Replicate)."""
-    prefix = optree.tree_map(
-        lambda s: Replicate() if s is None else s,
-        prefix,
-        is_leaf=_is_placement,
-        none_is_leaf=True,
-        namespace=_NAMESPACE,
-    )
-    try:
-        return optree.broadcast_prefix(prefix, tree, _is_placement, namespace=_NAMESPACE)
-    except ValueError:
-        errors = optree.prefix_errors(prefix, tree, _is_placement, namespace=_NAMESPACE)
-        detail = str(errors[0](root)) if errors else f"{root} is not a prefix of the arguments"
-        raise ValueError(
-            f"{api}: {root} must be a prefix tree of the arguments (a spec leaf applies to the "
-            f"whole subtree below it): {detail}"
-        ) from None
+    paths, leaves, treedef = tree_flatten_with_path(tree)
+    return [keystr(path, root) for path in paths], leaves, treedef
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,10 +108,6 @@ def _fn_name(fn: Any) -> str:
     if isinstance(fn, functools.partial):
         return f"partial({_fn_name(fn.func)})"
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _a(word: str) -> str:
-    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
 
 
 def _shape_str(shape: Sequence[Any]) -> str:
@@ -117,28 +121,31 @@ def _default_spec(leaf: Any) -> Placement:
 
 
 def _resolve_in_specs(
-    api: str, args: tuple, kwargs: dict, in_specs: Any, kw_specs: Any
+    where: str, args: tuple, kwargs: dict, in_specs: Any, kw_specs: Any
 ) -> tuple[optree.PyTreeSpec, list[Any], list[Any], list[str]]:
     """Flatten ``(args, kwargs)`` and give every leaf its spec and a display name."""
-    arg_names, arg_leaves, _ = _flatten(args, "in_specs")
-    kw_names, kw_leaves, _ = _flatten(kwargs, "kw_specs")
-    if isinstance(in_specs, list):
-        in_specs = tuple(in_specs)
-    if in_specs is None:
-        arg_specs = [_default_spec(leaf) for leaf in arg_leaves]
-    else:
-        arg_specs = _broadcast_specs(api, in_specs, args, "in_specs")
-    if kw_specs is None:
-        kw_leaf_specs = [_default_spec(leaf) for leaf in kw_leaves]
-    else:
-        kw_leaf_specs = _broadcast_specs(api, kw_specs, kwargs, "kw_specs")
-    treedef = optree.tree_structure((args, kwargs), namespace=_NAMESPACE)
-    return (
-        treedef,
-        arg_leaves + kw_leaves,
-        list(arg_specs) + list(kw_leaf_specs),
-        arg_names + kw_names,
-    )
+    specs: list[Any] = []
+    names: list[str] = []
+    leaves: list[Any] = []
+    for value, spec_tree, root in ((args, in_specs, "in_specs"), (kwargs, kw_specs, "kw_specs")):
+        paths, value_leaves, value_treedef = tree_flatten_with_path(value)
+        if spec_tree is None:
+            specs += [_default_spec(leaf) for leaf in value_leaves]
+        else:
+            if root == "in_specs" and isinstance(spec_tree, list):
+                spec_tree = tuple(spec_tree)
+            specs += resolve_specs(
+                spec_tree,
+                value_leaves,
+                value_treedef,
+                name=root,
+                fn_name=where,
+                allowed=(Shard, Replicate),
+            )
+        names += [keystr(path, root) for path in paths]
+        leaves += value_leaves
+    _, treedef = tree_flatten((args, kwargs))
+    return treedef, leaves, specs, names
 
 
 def _check_leaf_specs(
@@ -170,7 +177,7 @@ def _check_leaf_specs(
             )
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(
-                f"{where} {name}: {spec!r} but the value is {_a(type(leaf).__name__)}, not a "
+                f"{where} {name}: {spec!r} but the value is {article(type(leaf).__name__)}, not a "
                 f"tensor; only tensors can be split: use Replicate() or None for it"
             )
         ndim = leaf.dim()
@@ -304,6 +311,10 @@ class _DependenceMode(TorchDispatchMode):
     autograd touched.
     """
 
+    # Higher-order operators (flex_attention, cond, ...) come through __torch_dispatch__ too:
+    # an output depends on the split inputs when any input does, as for any op.
+    supports_higher_order_operators = True
+
     def __init__(self, symbol: Any, fake_mode: Any) -> None:
         super().__init__()
         self._symbol = symbol
@@ -329,7 +340,7 @@ class _DependenceMode(TorchDispatchMode):
         return False
 
     def _mark_tree(self, tree: Any) -> None:
-        for leaf in optree.tree_leaves(tree, namespace=_NAMESPACE):
+        for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
             if isinstance(leaf, torch.Tensor):
                 self.mark(leaf)
 
@@ -347,10 +358,10 @@ class _DependenceMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        leaves = optree.tree_leaves((args, kwargs), namespace=_NAMESPACE)
+        leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
         if any(isinstance(x, torch.Tensor) and not _is_fake(x) for x in leaves):
-            args, kwargs = optree.tree_map(self._fake, (args, kwargs), namespace=_NAMESPACE)
-            leaves = optree.tree_leaves((args, kwargs), namespace=_NAMESPACE)
+            args, kwargs = optree.tree_map(self._fake, (args, kwargs), namespace=NAMESPACE)
+            leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
         out = func(*args, **kwargs)
         if any(map(self._depends, leaves)):
             self._mark_tree(out)
@@ -478,7 +489,7 @@ def _leaf_spec(where: str, leaf: Any, trace: _Trace) -> Placement:
     if isinstance(leaf, _SCALAR_TYPES):
         return Replicate()
     raise ValueError(
-        f"{where}: {_a(type(leaf).__qualname__)} is neither a tensor, a Python scalar nor a "
+        f"{where}: {article(type(leaf).__qualname__)} is neither a tensor, a Python scalar nor a "
         f"pytree container pshard can see into; register it as a pytree node (optree namespace "
         f"'pshard') or pass out_specs explicitly"
     )
@@ -502,7 +513,7 @@ def _trace_out_specs(
     fake_leaves = [
         trace.fake_input(leaf, dim) for leaf, dim in zip(leaves, split_dims, strict=True)
     ]
-    args, kwargs = optree.tree_unflatten(treedef, fake_leaves)
+    args, kwargs = tree_unflatten(treedef, fake_leaves)
     try:
         with trace.fake_mode, trace.deps:
             out = fn(*args, **kwargs)
@@ -544,8 +555,8 @@ def _out_specs_from_leaf_specs(
 ) -> Any:
     """Out spec tree of ``fn`` from already-resolved per-leaf input specs (cached).
 
-    ``optree.tree_unflatten(treedef, leaves)`` must be ``(args, kwargs)`` (flattened with optree
-    namespace ``"pshard"``), and ``leaf_specs[i]`` the spec of ``leaves[i]``: ``Shard(d)``
+    ``treedef.unflatten(leaves)`` must be ``(args, kwargs)`` (as flattened by
+    ``pshard._tree.tree_flatten``), and ``leaf_specs[i]`` the spec of ``leaves[i]``: ``Shard(d)``
     (negative ``d`` allowed), ``Replicate()`` or ``None``. ``leaf_names[i]`` names the leaf in
     errors (e.g. ``"in_specs[0]['x']"``); ``api`` starts every error (``"api(fn_name) ..."``).
 
@@ -568,7 +579,7 @@ def _out_specs_from_leaf_specs(
         if signature is not None:
             _CACHE.put(fn, signature, cached)
     out_treedef, specs = cached
-    return optree.tree_unflatten(out_treedef, specs)
+    return _spec_tree(out_treedef, specs)
 
 
 def infer_out_specs(

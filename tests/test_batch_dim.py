@@ -12,9 +12,11 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TREES, Batch, CausalLMOutputLike, Derived
 
 import pshard as ps
 from pshard import _batch_dim
+from pshard._tree import tree_flatten, tree_map
 
 S0, S1, R, MEAN = ps.Shard(0), ps.Shard(1), ps.Replicate(), ps.Partial("mean")
 
@@ -130,6 +132,24 @@ def test_in_place_writes_carry_dependence():
     assert infer(fn, torch.randn(5, 4)) == (MEAN, MEAN, R)
 
 
+def test_in_place_write_into_a_replicated_argument():
+    def fn(x, state):
+        state["count"].add_(1)
+        state["sum"].add_(x.sum(0))
+        return state
+
+    state = {"count": torch.zeros(()), "sum": torch.zeros(3)}
+    assert infer(fn, torch.randn(4, 3), state, in_specs=(S0, R)) == {"count": R, "sum": MEAN}
+    assert torch.equal(state["sum"], torch.zeros(3)) and state["count"].item() == 0
+
+
+def test_higher_order_operator():
+    def fn(x):
+        return torch.cond(x.shape[0] > 2, lambda x: x.sin(), lambda x: x.cos(), (x,))
+
+    assert infer(fn, torch.randn(4, 3)) == S0
+
+
 def test_kwargs_and_kw_specs():
     def fn(x, *, mask, scale):
         return x * mask * scale, (x * mask).sum(0)
@@ -141,6 +161,46 @@ def test_kwargs_and_kw_specs():
     assert infer(
         fn, x.T, mask=mask.T, scale=2.0, in_specs=S1, kw_specs={"mask": S1, "scale": None}
     ) == (S1, S0)
+
+
+def _default_specs(tree):
+    def spec(x):
+        return S0 if isinstance(x, torch.Tensor) and x.dim() >= 1 else R
+
+    return tree_map(spec, tree)
+
+
+@pytest.mark.parametrize(
+    ("name", "tree"), [(n, t) for n, t in TREES if n not in ("block_mask", "dataclass_init_false")]
+)
+def test_identity_over_the_pytree_corpus(name, tree):
+    specs = infer(lambda t: t, tree)
+    expected = _default_specs(tree)
+    assert type(specs) is type(expected)
+    assert tree_flatten(specs, is_leaf=_is_placement) == tree_flatten(
+        expected, is_leaf=_is_placement
+    )
+
+
+def _is_placement(x):
+    return isinstance(x, ps.Placement)
+
+
+def test_dataclass_and_model_output_outputs():
+    def fn(batch):
+        logits = batch.input_ids.float().unsqueeze(-1).expand(-1, -1, 5)
+        loss = logits.mean()
+        return CausalLMOutputLike(loss=loss, logits=logits), Batch(logits, loss, batch.num_tokens)
+
+    batch = Batch(torch.ones(4, 8, dtype=torch.int64), torch.ones(4, 8, dtype=torch.int64), 32)
+    out = infer(fn, batch, in_specs=(Batch(S0, S0, None),))
+    assert out == (CausalLMOutputLike(loss=MEAN, logits=S0), Batch(S0, MEAN, R))
+    assert type(out[0]) is CausalLMOutputLike and type(out[1]) is Batch
+
+
+def test_container_that_cannot_hold_specs_becomes_a_dict():
+    out = infer(lambda x: (Derived(x), Derived(x.sum(0))), torch.randn(4, 3))
+    assert out == ({"x": S0}, {"x": MEAN})
 
 
 def test_namedtuple_and_ordered_dict_outputs():
@@ -414,31 +474,53 @@ def test_input_spec_errors():
         infer(lambda x: x, x, in_specs=(ps.Shard(2),))
     assert str(info.value) == (
         "infer_out_specs(<lambda>) in_specs[0]: Shard(2) but the tensor has 2 dims "
-        "(shape (4, 3)); use a dim in [-2, 1]"
+        "(shape (4, 3)); did you mean Shard(1)?"
     )
     with pytest.raises(ValueError) as info:
         infer(lambda x, n: x, x, 3, in_specs=(S0, S0))
     assert str(info.value) == (
-        "infer_out_specs(<lambda>) in_specs[1]: Shard(0) but the value is an int, not a tensor; "
-        "only tensors can be split: use Replicate() or None for it"
-    )
-    with pytest.raises(ValueError) as info:
-        infer(lambda x: x, x, in_specs=(ps.Partial(),))
-    assert str(info.value) == (
-        "infer_out_specs(<lambda>) in_specs[0]: Partial('sum') is not a microbatch input spec; "
-        "use Shard(d), Replicate() or None"
+        "infer_out_specs(<lambda>) in_specs[1]: Shard(0) but the value is an int (3), not a "
+        "tensor; only tensors can be split: give it Replicate() or None"
     )
     with pytest.raises(TypeError) as info:
-        infer(lambda x: x, x, in_specs=(0,))
+        infer(lambda x: x, x, in_specs=(ps.Partial(),))
     assert str(info.value) == (
-        "infer_out_specs(<lambda>) in_specs[0]: expected Shard(d), Replicate() or None, got 0 "
-        "(int); did you mean Shard(0)?"
+        "infer_out_specs(<lambda>) in_specs[0]: expected a Shard, a Replicate or None as the "
+        "spec, got a Partial (Partial('sum'))"
     )
-    with pytest.raises(ValueError, match=re.escape("in_specs[0]")) as info:
+    with pytest.raises(TypeError, match=re.escape("got a StridedShard")):
+        infer(lambda x: x, x, in_specs=ps.StridedShard(0, split_factor=2))
+    with pytest.raises(ValueError) as info:
         infer(lambda d: d, {"a": x}, in_specs=([S0],))
-    assert str(info.value).startswith(
-        "infer_out_specs(<lambda>): in_specs must be a prefix tree of the arguments"
+    assert str(info.value) == (
+        "infer_out_specs(<lambda>) in_specs[0]: the spec is a list of length 1 but the value is "
+        "a dict with keys ['a']"
     )
+    with pytest.raises(ValueError, match=re.escape("infer_out_specs(<lambda>) kw_specs['y']")):
+        infer(lambda x, y: x, x, y=3, kw_specs={"y": S0})
+
+
+def test_private_interface_checks_leaf_specs():
+    leaves, treedef = optree.tree_flatten(((torch.randn(4, 3), 2), {}), namespace="pshard")
+
+    def check(specs):
+        return _batch_dim._out_specs_from_leaf_specs(
+            lambda x, n: x, treedef, leaves, specs, leaf_names=["in_specs[0]", "in_specs[1]"]
+        )
+
+    assert check([S1, None]) == S1
+    with pytest.raises(ValueError) as info:
+        check([ps.Shard(-3), None])
+    assert str(info.value) == (
+        "infer_out_specs(<lambda>) in_specs[0]: Shard(-3) but the tensor has 2 dims "
+        "(shape (4, 3)); use a dim in [-2, 1]"
+    )
+    with pytest.raises(ValueError, match=re.escape("in_specs[1]: Shard(0) but the value is an")):
+        check([S0, S0])
+    with pytest.raises(ValueError, match=re.escape("in_specs[0]: Partial('sum') is not a")):
+        check([ps.Partial(), None])
+    with pytest.raises(TypeError, match=re.escape("in_specs[0]: expected Shard(d), Replicate()")):
+        check([0, None])
 
 
 def test_none_arguments_and_none_specs():
