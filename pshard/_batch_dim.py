@@ -150,12 +150,17 @@ def _resolve_in_specs(
 
 def _check_leaf_specs(
     where: str, leaves: Sequence[Any], specs: Sequence[Any], names: Sequence[str]
-) -> tuple[list[int | None], int | None]:
-    """Validate per-leaf specs; return each leaf's non-negative split dim (or None) and the
-    common batch size (None when nothing is split)."""
+) -> list[int | None]:
+    """Validate per-leaf specs and check that the Shard inputs agree on the batch size; return
+    each leaf's non-negative split dim (None when it is not split)."""
     split_dims: list[int | None] = []
     batch: tuple[int, str, int, tuple[int, ...]] | None = None
     for leaf, spec, name in zip(leaves, specs, names, strict=True):
+        if _is_fake(leaf):
+            raise ValueError(
+                f"{where} {name}: the input is already a fake tensor (an enclosing trace); "
+                f"batch-dim analysis cannot run inside another trace: pass out_specs explicitly"
+            )
         if spec is None or isinstance(spec, Replicate):
             split_dims.append(None)
             continue
@@ -169,11 +174,6 @@ def _check_leaf_specs(
             raise TypeError(
                 f"{where} {name}: expected Shard(d), Replicate() or None, got {spec!r} "
                 f"({type(spec).__name__}){hint}"
-            )
-        if _is_fake(leaf):
-            raise ValueError(
-                f"{where} {name}: the input is already a fake tensor (an enclosing trace); "
-                f"batch-dim analysis cannot run inside another trace: pass out_specs explicitly"
             )
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(
@@ -199,7 +199,7 @@ def _check_leaf_specs(
                 f"input must have the same size along its split dim"
             )
         split_dims.append(dim)
-    return split_dims, None if batch is None else batch[0]
+    return split_dims
 
 
 # --------------------------------------------------------------------------------------------
@@ -571,7 +571,7 @@ def _out_specs_from_leaf_specs(
             f"{where}: {len(leaves)} leaves, {len(leaf_specs)} specs and {len(leaf_names)} "
             f"names for a treedef of {treedef.num_leaves} leaves"
         )
-    split_dims, _ = _check_leaf_specs(where, leaves, leaf_specs, leaf_names)
+    split_dims = _check_leaf_specs(where, leaves, leaf_specs, leaf_names)
     signature = _signature(treedef, leaves, leaf_specs, split_dims)
     cached = None if signature is None else _CACHE.get(fn, signature)
     if cached is None:
@@ -611,12 +611,27 @@ def infer_out_specs(
                      Replicate()       otherwise
 
     The result is cached per ``fn`` (held weakly) and input signature (tree structure, shapes
-    apart from the batch size, dtypes, specs), so ``fn`` is traced once per signature; the
-    cache assumes ``fn``'s behaviour depends only on that signature.
+    apart from the batch size, dtypes, specs, non-tensor argument values), so ``fn`` is traced
+    once per signature; the cache assumes ``fn``'s behaviour depends only on that signature
+    (not on, say, a closure whose shapes change).
+
+    The batch symbol's example value while tracing is a small prime that no input dim has
+    (``17`` unless taken), never the real batch size: a batch of 1 is not specialised away by
+    broadcasting, and a batch size equal to another dim's size is never mistaken for it.
+
+    ``Partial("mean")`` is the convention for every batch-dependent output without the batch
+    dim (right for mean losses and their gradients); a sum or a count over the batch needs
+    explicit out specs (``Partial("sum")``). A dim of size ``B`` is taken for the batch dim even
+    when its values index the batch (``torch.arange(B)``); random tensors that do not depend on
+    the inputs are ``Replicate()``. Python side effects of ``fn`` happen during the trace (on
+    fake values). Not supported (an error that asks for explicit out specs): a Python loop over
+    the batch dim, ``.item()`` and other data-dependent values, flex attention (its eager path
+    compiles, which refuses the tracing mode), and analysis nested inside another trace.
 
     Args:
-        fn: the function; it may call ``nn.Module``\\ s (parameters stay real and are never
-            modified), ``torch.func`` transforms and autograd.
+        fn: the function; it may call ``nn.Module``\\ s (their parameters and buffers stay
+            real and are never modified; ``.grad`` is restored), ``torch.func`` transforms,
+            autograd and higher-order ops such as ``torch.cond``.
         *args: positional arguments for ``fn``.
         in_specs: a prefix tree of ``args`` of ``Shard(d)``, ``Replicate()`` or ``None``
             (= ``Replicate()``). Default: ``Shard(0)`` for tensors with at least one dim,
@@ -634,7 +649,8 @@ def infer_out_specs(
             dim that is an expression of it (``2*B`` after a reshape), or is a Python number
             computed from it; when tracing fails (data-dependent control flow, ``.item()``);
             when the Shard inputs disagree on the batch size; for specs that are not a prefix of
-            the arguments or do not fit their leaf.
+            the arguments or do not fit their leaf (``TypeError`` for a spec that is not
+            ``Shard``/``Replicate``/``None``).
 
     Example:
         >>> import torch
