@@ -285,7 +285,7 @@ class _Gang:
         died: dict[int, int | None] = {}
         healths: set = set()
         pending = set(range(n))
-        first: tuple[bool, int] | None = None  # the first failure seen: (is a death, rank)
+        first: tuple[bool, int] | None = None  # the failure to report: (is a death, rank)
         failed_at = 0.0
         while pending:
             limit = deadline if first is None else min(deadline, failed_at + _GRACE_S)
@@ -316,9 +316,11 @@ class _Gang:
                     if expected == "ready":
                         self._pids[r] = message[1]
             if failures and first is None:
-                # Within one wake-up a death comes first: it makes its peers' collectives fail.
-                first = min(failures, key=lambda f: (not f[0], f[1]))
                 failed_at = time.monotonic()
+            if failures and (first is None or not first[0]):
+                # Report the first death (it makes its peers' collectives fail), else the
+                # exception of the lowest rank: the same one whatever order they arrive in.
+                first = min(failures + ([first] if first else []), key=lambda f: (not f[0], f[1]))
         if len(healths) > 1 or not all(initialised for initialised, _ in healths):
             self.healthy = False  # ranks disagree on their groups: later collectives would hang
         if first is None and not pending:
@@ -451,11 +453,13 @@ def spawn(
     ``if __name__ == "__main__":``), not a lambda or a nested function; the return values are
     pickled back.
 
-    Failures: an exception in any rank is re-raised here as itself (its remote traceback as
-    ``__cause__``, a note naming the rank), or as :class:`SpawnError` when it cannot be
-    re-created; a rank that exits or is killed raises :class:`SpawnError`; when ``timeout``
-    seconds pass first, ``TimeoutError`` names the ranks still running. In every case all ranks
-    are terminated (then killed) and reaped before ``spawn`` raises: none is left running.
+    Failures: a rank that exits or is killed raises :class:`SpawnError`; otherwise an exception
+    in a rank (the lowest such rank) is re-raised here as itself, with the remote tracebacks as
+    ``__cause__`` and a note naming the rank and what happened to the others, or as
+    :class:`SpawnError` when it cannot be re-created; ranks still running 1 s after a failure
+    (typically blocked in a collective) are torn down; when ``timeout`` seconds pass first,
+    ``TimeoutError`` names the ranks still running. In every case all ranks are terminated (then
+    killed) and reaped before ``spawn`` raises: none is left running.
 
     Args:
         fn: module-level function run on every rank; it can use ``torch.distributed``
