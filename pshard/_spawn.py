@@ -287,6 +287,7 @@ class _Gang:
         pending = set(range(n))
         first: tuple[bool, int] | None = None  # the failure to report: (is a death, rank)
         failed_at = 0.0
+        self.healthy = False  # until every rank has answered (an interrupt leaves it so)
         while pending:
             limit = deadline if first is None else min(deadline, failed_at + _GRACE_S)
             remaining = limit - time.monotonic()
@@ -321,8 +322,9 @@ class _Gang:
                 # Report the first death (it makes its peers' collectives fail), else the
                 # exception of the lowest rank: the same one whatever order they arrive in.
                 first = min(failures + ([first] if first else []), key=lambda f: (not f[0], f[1]))
-        if len(healths) > 1 or not all(initialised for initialised, _ in healths):
-            self.healthy = False  # ranks disagree on their groups: later collectives would hang
+        # Reusable when every rank answered and all agree on their groups (else later
+        # collectives would mismatch and hang).
+        self.healthy = not (pending or died) and len(healths) == 1 and next(iter(healths))[0]
         if first is None and not pending:
             return [values[r] for r in range(n)]
         if pending or died:

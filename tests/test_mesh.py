@@ -167,7 +167,7 @@ except ValueError:
     pass
 created_on_error = dist.is_initialized()
 mesh = ps.init_mesh()
-print("RESULT " + json.dumps({
+open("result0.json", "w").write(json.dumps({
     "created_on_error": created_on_error,
     "world": dist.get_world_size(), "rank": dist.get_rank(), "backend": str(dist.get_backend()),
     "names": list(mesh.mesh_dim_names), "shape": list(mesh.shape),
@@ -182,10 +182,10 @@ assert not dist.is_initialized()
 mesh = ps.init_mesh({"dp": 2})
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t, group=mesh.get_group("dp"))
-print("RESULT " + json.dumps({
+open(f"result{dist.get_rank()}.json", "w").write(json.dumps({
     "world": dist.get_world_size(), "rank": dist.get_rank(), "backend": str(dist.get_backend()),
     "names": list(mesh.mesh_dim_names), "sum": t.item(), "current": ps.current_mesh() is mesh,
-}), flush=True)
+}))
 dist.destroy_process_group()
 """
 
@@ -209,8 +209,8 @@ def _run_python(args, tmp_path, script):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return sorted((json.loads(line[7:]) for line in lines), key=lambda r: r.get("rank", 0))
+    # one file per rank: the ranks share stdout, where their lines can interleave
+    return [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result*.json"))]
 
 
 def test_init_mesh_without_torchrun_env_makes_a_world_of_one(tmp_path):
