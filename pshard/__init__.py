@@ -19,6 +19,8 @@ from ._placements import Shard as Shard
 from ._placements import StridedShard as StridedShard
 from ._placements import from_torch_placement as from_torch_placement
 from ._placements import to_torch_placement as to_torch_placement
+from ._spawn import SpawnError as SpawnError
+from ._spawn import spawn as spawn
 
 __version__ = "0.1.0"
 
@@ -38,6 +40,8 @@ __all__ = [
     "Replicate",
     "Shard",
     "shard_tensor",
+    "spawn",
+    "SpawnError",
     "StridedShard",
     "to_torch_placement",
     "unshard_tensor",
