@@ -1,5 +1,6 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from ._batch_dim import infer_out_specs as infer_out_specs
 from ._collectives import all_gather as all_gather
 from ._collectives import all_to_all as all_to_all
 from ._collectives import axis_index as axis_index
@@ -31,6 +32,8 @@ from ._placements import Shard as Shard
 from ._placements import StridedShard as StridedShard
 from ._placements import from_torch_placement as from_torch_placement
 from ._placements import to_torch_placement as to_torch_placement
+from ._spawn import SpawnError as SpawnError
+from ._spawn import spawn as spawn
 
 __version__ = "0.1.0"
 
@@ -46,6 +49,7 @@ __all__ = [
     "explicit_order",
     "from_torch_placement",
     "global_shape_and_stride",
+    "infer_out_specs",
     "init_mesh",
     "local_indices",
     "local_shape_and_offset",
@@ -62,6 +66,8 @@ __all__ = [
     "Replicate",
     "Shard",
     "shard_tensor",
+    "spawn",
+    "SpawnError",
     "StridedShard",
     "to_torch_placement",
     "unshard_tensor",
