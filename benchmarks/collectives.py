@@ -1,10 +1,10 @@
 """pshard's collectives against the raw torch.distributed calls they wrap.
 
-Runs on 2 gloo ranks on this machine and prints, per operation and message size (bytes of the
-local input), the median time of the raw call (with the reshapes it needs), of pshard's call,
-their ratio, and the ratio of the fastest samples (``best``; less sensitive to a loaded
-machine). Samples of the two alternate, each after a barrier, so load on the machine hits
-both alike; small messages are timed over several back-to-back calls per sample.
+Runs on 2 gloo ranks on this machine (started with ``ps.spawn``) and prints, per operation and
+message size (bytes of the local input), the median time of the raw call (with the reshapes it
+needs), of pshard's call, their ratio, and the ratio of the fastest samples (``best``; less
+sensitive to a loaded machine). Samples of the two alternate, each after a barrier, so load on
+the machine hits both alike; small messages are timed over several back-to-back calls per sample.
 
     python benchmarks/collectives.py [--sizes 64K,1M,16M,64M] [--repeats 15] [--nprocs 2]
 
@@ -22,8 +22,6 @@ The raw baselines:
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -133,29 +131,8 @@ def _table(rows: list[tuple[str, int, float, float, float]]) -> str:
     return "\n".join(lines)
 
 
-def _worker(rank: int, nprocs: int, port: int, sizes: list[int], repeats: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=nprocs)
-    rows = _bench(sizes, repeats)
-    if rank == 0:
-        out["rows"] = rows
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _run(nprocs: int, sizes: list[int], repeats: int) -> list[tuple[str, int, float, float, float]]:
-    spawn = getattr(ps, "spawn", None)
-    if spawn is not None:
-        return spawn(_bench, sizes, repeats, nprocs=nprocs, timeout=3600.0)[0]
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(nprocs, port, sizes, repeats, out), nprocs=nprocs)
-        return list(out["rows"])
+def _run(nprocs: int, sizes: list[int], repeats: int) -> list[tuple]:
+    return ps.spawn(_bench, sizes, repeats, nprocs=nprocs, timeout=3600.0)[0]
 
 
 def main() -> None:
