@@ -40,10 +40,14 @@ def naive_split_merge(tree, k):
     pieces = [torch.tensor_split(x, k, 0) for x in leaves]
     chunks = [treedef.unflatten([p[c] for p in pieces]) for c in range(k)]
     flat = [optree.tree_leaves(c, namespace="pshard") for c in chunks]
-    return treedef.unflatten([torch.cat(col, 0) for col in zip(*flat)])
+    return treedef.unflatten([torch.cat(col, 0) for col in zip(*flat, strict=True)])
 
 
-IMPLS = {"torch": torch_split_merge, "pshard": pshard_split_merge, "naive optree": naive_split_merge}
+IMPLS = {
+    "torch": torch_split_merge,
+    "pshard": pshard_split_merge,
+    "naive optree": naive_split_merge,
+}
 
 
 def time_once(fn, tree, k):

@@ -311,7 +311,6 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
     weight_fn = config.weight_fn
     reducers: list[Any] = []
     out_def: Any = None
-    out_names: list[Any] = []
     for i in range(k):
         piece = [column[i] for column in columns]
         mb_args = args_def.unflatten(piece[:n_args])
@@ -336,7 +335,7 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
                 allowed=_OUT_SPECS,
             )
             reducers = [
-                make_reducer(spec, config.accum_dtype, sizes, "microbatch {}")
+                make_reducer(spec, config.accum_dtype, sizes, "microbatch {}", k)
                 for spec in out_resolved
             ]
         else:
@@ -349,12 +348,19 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
                 first_what="microbatch 0",
             )
         del out
-        for j, (reducer, leaf) in enumerate(zip(reducers, out_leaves, strict=True)):
-            try:
-                reducer.add(leaf, weight, i)
-            except ReduceError as error:
-                if not out_names:
-                    out_names = out_def.accessors()
-                raise ValueError(f"{where} {keystr(out_names[j], 'out_specs')}: {error}") from None
+        _fold(reducers, out_leaves, weight, i, out_def, where)
         del out_leaves
     return out_def.unflatten([reducer.result() for reducer in reducers])
+
+
+def _fold(
+    reducers: list[Any], leaves: list[Any], weight: Any, i: int, out_def: Any, where: str
+) -> None:
+    """Add microbatch ``i``'s output leaves to their reductions (a function of its own, so
+    that no loop variable keeps a leaf alive into the next microbatch)."""
+    for j, (reducer, leaf) in enumerate(zip(reducers, leaves, strict=True)):
+        try:
+            reducer.add(leaf, weight, i)
+        except ReduceError as error:
+            path = keystr(out_def.accessors()[j], "out_specs")
+            raise ValueError(f"{where} {path}: {error}") from None

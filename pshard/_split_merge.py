@@ -8,18 +8,22 @@ concatenated, ``Partial`` leaves reduced, ``Replicate()`` leaves taken from the 
 
 Internal interface (used by :func:`pshard.pmap_microbatch`):
 
-- ``plan_split(leaves, specs, name_of, *, where) -> SplitPlan``: checks that the ``Shard``
-  leaves agree on the size of their split dim (``SplitPlan.size``, None when nothing is split).
-- ``split_columns(leaves, plan, num_chunks, name_of, *, where, count_name)
+- ``resolve_quick(specs, leaves, treedef, *, name, fn_name, allowed) -> list``: each leaf's
+  spec with the types checked (leaves are checked where they are used).
+- ``plan_split(leaves, specs, name_of, *, where, misfit) -> SplitPlan``: checks that the
+  ``Shard`` leaves fit and agree on the size of their split dim (``SplitPlan.size``, None when
+  nothing is split); ``name_of(i)`` writes leaf ``i``'s key path, ``misfit(i)`` raises
+  ``check_specs``' error for it.
+- ``split_columns(leaves, specs, plan, num_chunks, name_of, *, where, count_name)
   -> (columns, sizes)``: each leaf's ``num_chunks`` pieces and the chunk sizes along the split
   (None when nothing is split).
-- ``make_reducer(spec, accum_dtype, sizes)``: a streaming reduction of one output leaf over
-  chunks (``add(x, weight, i)``, ``result()``); it raises ``ReduceError`` (a message without
-  the key path, which the caller adds).
-- ``weight_value(w, what)``: a chunk's weight as a float (or a one-element tensor when it
-  cannot be read, e.g. under ``vmap``).
-- ``flatten_like(treedef, tree, *, where, what, first)``: the leaves of ``tree`` at the leaf
-  positions of ``treedef``, or an error that names where the structures differ.
+- ``make_reducer(spec, accum_dtype, sizes, label, chunks)``: the streaming reduction of one
+  output leaf over ``chunks`` chunks (``add(x, weight, i)``, ``result()``); it raises
+  ``ReduceError`` (a message without the key path, which the caller adds).
+- ``weight_value(w, what) -> float | Tensor``: a chunk's weight as a float (a one-element
+  tensor when it cannot be read, e.g. under ``vmap``).
+- ``flatten_like(treedef, tree, *, where, name, what, first_what, ...)``: the leaves of
+  ``tree`` at the leaf positions of ``treedef``, or an error naming where the structures differ.
 - ``debug_enabled()``: whether debug checks are on (``PSHARD_DEBUG``).
 """
 
@@ -528,15 +532,28 @@ def _check_reducible(x: Any, spec: Any) -> None:
 class _Reducer:
     """Streaming reduction of one leaf over chunks (``add`` each chunk's value, ``result``)."""
 
-    __slots__ = ("spec", "accum", "label", "value", "owned", "dtype")
+    __slots__ = ("spec", "accum", "label", "several", "value", "owned", "dtype")
 
-    def __init__(self, spec: Any, accum_dtype: torch.dtype | None, label: str) -> None:
+    def __init__(
+        self, spec: Any, accum_dtype: torch.dtype | None, label: str, several: bool
+    ) -> None:
         self.spec = spec
         self.label = label  # names chunk i in messages: label.format(i)
+        self.several = several  # more than one chunk will come
         self.accum = accum_dtype
         self.value: Any = None
         self.owned = False  # whether ``value`` is a tensor made here (safe to write in place)
         self.dtype: torch.dtype | None = None
+
+    def _start(self, x: Any, given: Any) -> None:
+        """The first contribution ``x`` (``given`` before casting). With more to come and no
+        autograd involved, the accumulator is a tensor of its own, updated in place from then
+        on; a single chunk's value is passed through untouched."""
+        if isinstance(x, torch.Tensor) and self.several and not _is_tracked(x):
+            self.value = x if x is not given else x.clone()
+            self.owned = True
+        else:
+            self.value = x
 
     def _cast(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -568,9 +585,9 @@ class _Sum(_Reducer):
 
     def add(self, x: Any, w: Any, i: int) -> None:
         _check_reducible(x, self.spec)
-        x = self._cast(x)
+        given, x = x, self._cast(x)
         if self.value is None:
-            self.value = x
+            self._start(x, given)
         elif self._inplace(x):
             self.value.add_(x)
         else:
@@ -583,10 +600,10 @@ class _Extreme(_Reducer):
 
     def add(self, x: Any, w: Any, i: int) -> None:
         _check_reducible(x, self.spec)
-        x = self._cast(x)
+        given, x = x, self._cast(x)
         value = self.value
         if value is None:
-            self.value = x
+            self._start(x, given)
             return
         pick = torch.maximum if self.spec.reduce == "max" else torch.minimum
         if self._inplace(x):
@@ -616,8 +633,10 @@ class _Mean(_Reducer):
 
     __slots__ = ("total", "zero")
 
-    def __init__(self, spec: Any, accum_dtype: torch.dtype | None, label: str) -> None:
-        super().__init__(spec, accum_dtype, label)
+    def __init__(
+        self, spec: Any, accum_dtype: torch.dtype | None, label: str, several: bool
+    ) -> None:
+        super().__init__(spec, accum_dtype, label, several)
         self.total: Any = 0.0
         self.zero: Any = None  # a zero of the right kind while every weight so far was zero
 
@@ -628,7 +647,7 @@ class _Mean(_Reducer):
                 f"Partial('mean') of a {x.dtype} tensor: a mean needs a floating dtype; return "
                 "a floating-point tensor or give this output Partial('sum')"
             )
-        x = self._cast(x)
+        given, x = x, self._cast(x)
         if isinstance(w, torch.Tensor):
             self._add_masked(x, w)
             return
@@ -639,7 +658,7 @@ class _Mean(_Reducer):
         value = self.value
         self.total += w
         if value is None:
-            self.value = x if isinstance(x, torch.Tensor) else float(x)
+            self._start(x if isinstance(x, torch.Tensor) else float(x), given)
             return
         r = w / self.total
         if self._inplace(x):
@@ -683,8 +702,10 @@ class _First(_Reducer):
 
     __slots__ = ("check",)
 
-    def __init__(self, spec: Any, accum_dtype: torch.dtype | None, label: str) -> None:
-        super().__init__(spec, accum_dtype, label)
+    def __init__(
+        self, spec: Any, accum_dtype: torch.dtype | None, label: str, several: bool
+    ) -> None:
+        super().__init__(spec, accum_dtype, label, several)
         self.check = debug_enabled()
 
     def add(self, x: Any, w: Any, i: int) -> None:
@@ -797,21 +818,23 @@ class Concat:
 
 
 def make_reducer(
-    spec: Any, accum_dtype: torch.dtype | None, sizes: list[int] | None, label: str
+    spec: Any, accum_dtype: torch.dtype | None, sizes: list[int] | None, label: str, chunks: int
 ) -> Any:
-    """The streaming reduction of one output leaf with (checked) spec ``spec``; ``label``
-    names chunk ``i`` in messages as ``label.format(i)`` (``"microbatch {}"``)."""
+    """The streaming reduction of one output leaf with (checked) spec ``spec`` over ``chunks``
+    chunks; ``label`` names chunk ``i`` in messages as ``label.format(i)``
+    (``"microbatch {}"``)."""
     kind = type(spec)
     if kind is Shard:
         return Concat(spec, sizes, label)
+    several = chunks > 1
     if kind is Partial:
         reduce = spec.reduce
         if reduce == "sum":
-            return _Sum(spec, accum_dtype, label)
+            return _Sum(spec, accum_dtype, label, several)
         if reduce == "mean":
-            return _Mean(spec, accum_dtype, label)
-        return _Extreme(spec, accum_dtype, label)
-    return _First(spec, accum_dtype, label)
+            return _Mean(spec, accum_dtype, label, several)
+        return _Extreme(spec, accum_dtype, label, several)
+    return _First(spec, accum_dtype, label, several)
 
 
 # --------------------------------------------------------------------------- merge
@@ -957,7 +980,7 @@ def merge(chunks: Sequence[Any], specs: Any, *, weights: Sequence[Any] | None = 
             continue
         if kind is Partial and spec.reduce == "mean" and mean_weights is None:
             mean_weights = _default_weights(resolved, columns, k)
-        reducer = make_reducer(spec, None, None, "chunks[{}]")
+        reducer = make_reducer(spec, None, None, "chunks[{}]", k)
         try:
             for c, x in enumerate(column):
                 reducer.add(x, mean_weights[c] if mean_weights is not None else 1.0, c)
