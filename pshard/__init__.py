@@ -1,5 +1,19 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from ._batch_dim import infer_out_specs as infer_out_specs
+from ._collectives import all_gather as all_gather
+from ._collectives import all_to_all as all_to_all
+from ._collectives import axis_index as axis_index
+from ._collectives import axis_size as axis_size
+from ._collectives import broadcast as broadcast
+from ._collectives import pmax as pmax
+from ._collectives import pmean as pmean
+from ._collectives import pmin as pmin
+from ._collectives import ppermute as ppermute
+from ._collectives import psum as psum
+from ._collectives import psum_scatter as psum_scatter
+from ._debug import debug as debug
+from ._debug import debug_enabled as debug_enabled
 from ._layout import explicit_order as explicit_order
 from ._layout import global_shape_and_stride as global_shape_and_stride
 from ._layout import local_indices as local_indices
@@ -19,16 +33,26 @@ from ._placements import Shard as Shard
 from ._placements import StridedShard as StridedShard
 from ._placements import from_torch_placement as from_torch_placement
 from ._placements import to_torch_placement as to_torch_placement
+from ._spawn import SpawnError as SpawnError
+from ._spawn import spawn as spawn
 from ._split_merge import merge as merge
 from ._split_merge import split as split
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "broadcast",
     "current_mesh",
+    "debug",
+    "debug_enabled",
     "explicit_order",
     "from_torch_placement",
     "global_shape_and_stride",
+    "infer_out_specs",
     "init_mesh",
     "local_indices",
     "local_shape_and_offset",
@@ -38,9 +62,17 @@ __all__ = [
     "Partial",
     "Placement",
     "pmap_microbatch",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
     "Replicate",
     "Shard",
     "shard_tensor",
+    "spawn",
+    "SpawnError",
     "split",
     "StridedShard",
     "to_torch_placement",

@@ -77,20 +77,20 @@ def init_mesh(shape: dict[str, int] | None = None, *, backend: str | None = None
         >>> ps.current_mesh() is mesh
         True
     """
+    if shape is not None and (not isinstance(shape, dict) or not shape):
+        raise TypeError(
+            f"init_mesh: shape must be a non-empty dict of axis name -> size, got {shape!r}"
+        )
+    for name, size in (shape or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"init_mesh: axis names must be str, got {name!r} in shape {shape!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"init_mesh: axis {name!r} has size {size!r}; sizes must be ints >= 1")
     if not dist.is_initialized():
         _init_default_group(backend)
     world = dist.get_world_size()
     if shape is None:
         shape = {"world": world}
-    if not isinstance(shape, dict) or not shape:
-        raise TypeError(
-            f"init_mesh: shape must be a non-empty dict of axis name -> size, got {shape!r}"
-        )
-    for name, size in shape.items():
-        if not isinstance(name, str):
-            raise TypeError(f"init_mesh: axis names must be str, got {name!r} in shape {shape!r}")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"init_mesh: axis {name!r} has size {size!r}; sizes must be ints >= 1")
     if math.prod(shape.values()) != world:
         raise ValueError(
             f"init_mesh: shape {shape} has {math.prod(shape.values())} ranks but the world has "
@@ -148,11 +148,13 @@ class AxisInfo(NamedTuple):
     name: str
 
 
-def _axis_names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
-    names = (axis,) if isinstance(axis, str) else tuple(axis)
+def _axis_names(axis: str | tuple[str, ...], fn: str) -> tuple[str, ...]:
+    names = (
+        (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else ()
+    )
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(
-            f"expected a mesh-axis name, a tuple of names or a ProcessGroup, got {axis!r}"
+            f"{fn}: expected a mesh-axis name, a tuple of names or a ProcessGroup, got {axis!r}"
         )
     return names
 
@@ -171,7 +173,7 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
     if isinstance(axis, dist.ProcessGroup):
         size = dist.get_world_size(axis)
         return AxisInfo(axis if size > 1 else None, size, dist.get_rank(axis), f"group{size}")
-    names = _axis_names(axis)
+    names = _axis_names(axis, fn)
     mesh = current_mesh() if mesh is None else mesh
     dim_names = mesh.mesh_dim_names or ()
     for n in names:
@@ -193,11 +195,11 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
     live = [n for n, s in zip(names, sizes, strict=True) if s > 1]
     if len(live) == 1:
         return AxisInfo(mesh.get_group(live[0]), size, rank, label)
-    group = _flattened_group(mesh, tuple(live))
+    group = _flattened_group(mesh, tuple(live), fn)
     return AxisInfo(group, size, rank, label)
 
 
-def _flattened_group(mesh: DeviceMesh, names: tuple[str, ...]) -> dist.ProcessGroup:
+def _flattened_group(mesh: DeviceMesh, names: tuple[str, ...], fn: str) -> dist.ProcessGroup:
     """The process group spanning several mesh axes in the given major-to-minor order.
 
     DeviceMesh caches flattened meshes on its root mesh, so the group is created once."""
@@ -205,6 +207,6 @@ def _flattened_group(mesh: DeviceMesh, names: tuple[str, ...]) -> dist.ProcessGr
     order = [dim_names.index(n) for n in names]
     if order != sorted(order):
         raise ValueError(
-            f"axis {names!r}: a tuple of mesh axes must follow the mesh's order {dim_names}"
+            f"{fn}: axis {names!r}: a tuple of mesh axes must follow the mesh's order {dim_names}"
         )
     return mesh[names]._flatten().get_group()

@@ -1,0 +1,670 @@
+"""Batch-dim analysis: which outputs of a function carry the batch dim.
+
+:func:`infer_out_specs` runs a function once on fake tensors (no real compute) in which the split
+dim of every ``Shard`` input has the same *symbolic* size ``B`` (the batch size) and every other
+dim keeps its static size. Symbolic shapes make the answer exact: an output dim is the batch dim
+exactly when its size is the symbol ``B``, whatever reshapes, permutes or reductions produced it.
+A dispatch mode marks every tensor computed from a split input (or from a size involving ``B``),
+which separates the outputs that need a reduction over microbatches from those that do not.
+
+One module-level object holds state: :data:`_CACHE`, the traced out specs per function and input
+signature. It keeps functions only weakly, so a bound method, closure or module is not kept alive
+by having been analysed.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import re
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._placements import Partial, Placement, Replicate, Shard
+from ._specs import _keys as spec_keys
+from ._specs import resolve_specs
+from ._tree import (
+    NAMESPACE,
+    article,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
+
+__all__ = ["infer_out_specs"]
+
+# The example value of the batch symbol while tracing: the first prime >= this that no input dim
+# has. It is deliberately not the real batch size, so that a batch of 1 is not specialised by
+# broadcasting and a batch size equal to another dim's size cannot be mistaken for that dim; and
+# small, so that a loop over the batch (``for row in x``, ``unbind``) stays cheap to trace.
+_HINT_START = 17
+
+_MAX_SIGNATURES_PER_FN = 32
+
+_SCALAR_TYPES = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type(None),
+    type(Ellipsis),
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Pytree access.
+
+
+def _spec_tree(treedef: optree.PyTreeSpec, specs: Sequence[Any]) -> Any:
+    """The spec tree of ``specs`` in the output's structure.
+
+    Each container is rebuilt as its own type; one whose constructor cannot take specs in
+    place of its values (a ``__post_init__`` that reads a tensor's shape) becomes a plain
+    ``dict`` of its keys (or a ``tuple``), which matches it as a spec tree prefix.
+    """
+    try:
+        return tree_unflatten(treedef, specs)
+    except Exception:  # a constructor choked on a placement: rebuild node by node
+        return _rebuild(treedef, iter(specs))
+
+
+def _rebuild(treedef: optree.PyTreeSpec, specs: Iterator[Any]) -> Any:
+    if treedef.kind == optree.PyTreeKind.LEAF:
+        return next(specs)
+    children = [_rebuild(child, specs) for child in treedef.children()]
+    try:
+        return treedef.one_level().unflatten(children)
+    except Exception:
+        keys = spec_keys(treedef)
+        return dict(zip(keys, children, strict=True)) if keys is not None else tuple(children)
+
+
+def _flatten(tree: Any, root: str) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    """Leaves of ``tree`` with their key paths rendered under ``root`` (``output[1]['x']``)."""
+    paths, leaves, treedef = tree_flatten_with_path(tree)
+    return [keystr(path, root) for path in paths], leaves, treedef
+
+
+# --------------------------------------------------------------------------------------------
+# Input specs.
+
+
+def _fn_name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return f"partial({_fn_name(fn.func)})"
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _shape_str(shape: Sequence[Any]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _default_spec(leaf: Any) -> Placement:
+    if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+        return Shard(0)
+    return Replicate()
+
+
+def _resolve_in_specs(
+    where: str, args: tuple, kwargs: dict, in_specs: Any, kw_specs: Any
+) -> tuple[optree.PyTreeSpec, list[Any], list[Any], list[str]]:
+    """Flatten ``(args, kwargs)`` and give every leaf its spec and a display name."""
+    specs: list[Any] = []
+    names: list[str] = []
+    leaves: list[Any] = []
+    for value, spec_tree, root in ((args, in_specs, "in_specs"), (kwargs, kw_specs, "kw_specs")):
+        paths, value_leaves, value_treedef = tree_flatten_with_path(value)
+        if spec_tree is None:
+            specs += [_default_spec(leaf) for leaf in value_leaves]
+        else:
+            if root == "in_specs" and isinstance(spec_tree, list):
+                spec_tree = tuple(spec_tree)
+            specs += resolve_specs(
+                spec_tree,
+                value_leaves,
+                value_treedef,
+                name=root,
+                fn_name=where,
+                allowed=(Shard, Replicate),
+            )
+        names += [keystr(path, root) for path in paths]
+        leaves += value_leaves
+    _, treedef = tree_flatten((args, kwargs))
+    return treedef, leaves, specs, names
+
+
+def _check_leaf_specs(
+    where: str, leaves: Sequence[Any], specs: Sequence[Any], names: Sequence[str]
+) -> list[int | None]:
+    """Validate per-leaf specs and check that the Shard inputs agree on the batch size; return
+    each leaf's non-negative split dim (None when it is not split)."""
+    split_dims: list[int | None] = []
+    batch: tuple[int, str, int, tuple[int, ...]] | None = None
+    for leaf, spec, name in zip(leaves, specs, names, strict=True):
+        if _is_fake(leaf):
+            raise ValueError(
+                f"{where} {name}: the input is already a fake tensor (an enclosing trace); "
+                f"batch-dim analysis cannot run inside another trace: pass out_specs explicitly"
+            )
+        if spec is None or isinstance(spec, Replicate):
+            split_dims.append(None)
+            continue
+        if type(spec) is not Shard:
+            if isinstance(spec, Placement):
+                raise ValueError(
+                    f"{where} {name}: {spec!r} is not a microbatch input spec; "
+                    f"use Shard(d), Replicate() or None"
+                )
+            hint = f"; did you mean Shard({spec})?" if isinstance(spec, int) else ""
+            raise TypeError(
+                f"{where} {name}: expected Shard(d), Replicate() or None, got {spec!r} "
+                f"({type(spec).__name__}){hint}"
+            )
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(
+                f"{where} {name}: {spec!r} but the value is {article(type(leaf).__name__)}, not a "
+                f"tensor; only tensors can be split: use Replicate() or None for it"
+            )
+        ndim = leaf.dim()
+        if not -ndim <= spec.dim < ndim:
+            valid = f"use a dim in [{-ndim}, {ndim - 1}]" if ndim else "use Replicate()"
+            raise ValueError(
+                f"{where} {name}: {spec!r} but the tensor has {ndim} dims (shape "
+                f"{_shape_str(tuple(leaf.shape))}); {valid}"
+            )
+        dim = spec.dim % ndim
+        size = int(leaf.shape[dim])
+        if batch is None:
+            batch = (size, name, dim, tuple(leaf.shape))
+        elif size != batch[0]:
+            raise ValueError(
+                f"{where}: the Shard inputs disagree on the batch size: {batch[1]} has "
+                f"{batch[0]} (dim {batch[2]} of shape {_shape_str(batch[3])}) but {name} has "
+                f"{size} (dim {dim} of shape {_shape_str(tuple(leaf.shape))}); every Shard "
+                f"input must have the same size along its split dim"
+            )
+        split_dims.append(dim)
+    return split_dims
+
+
+# --------------------------------------------------------------------------------------------
+# Cache.
+
+
+class _TraceCache:
+    """Out specs per function and input signature, holding functions weakly.
+
+    A bound method is keyed on its instance (weakly) and its function, so ``obj.method`` (a new
+    object at every attribute access) still hits. Functions that cannot be weakly referenced or
+    hashed, and signatures with unhashable non-tensor leaves, are not cached. At most
+    ``_MAX_SIGNATURES_PER_FN`` signatures are kept per function (least recently used dropped).
+    """
+
+    def __init__(self) -> None:
+        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _owner(fn: Any) -> tuple[Any, Any]:
+        self_obj = getattr(fn, "__self__", None)
+        func = getattr(fn, "__func__", None)
+        if self_obj is not None and func is not None:
+            return self_obj, func
+        return fn, None
+
+    def _table(self, fn: Any, create: bool) -> collections.OrderedDict | None:
+        owner, func = self._owner(fn)
+        try:
+            per_owner = self._entries.get(owner)
+            if per_owner is None:
+                if not create:
+                    return None
+                per_owner = self._entries[owner] = {}
+        except TypeError:  # not weakly referenceable or not hashable
+            return None
+        table = per_owner.get(func)
+        if table is None and create:
+            table = per_owner[func] = collections.OrderedDict()
+        return table
+
+    def get(self, fn: Any, signature: Any) -> Any:
+        with self._lock:
+            table = self._table(fn, create=False)
+            if table is None or signature not in table:
+                return None
+            table.move_to_end(signature)
+            return table[signature]
+
+    def put(self, fn: Any, signature: Any, value: Any) -> None:
+        with self._lock:
+            table = self._table(fn, create=True)
+            if table is None:
+                return
+            table[signature] = value
+            while len(table) > _MAX_SIGNATURES_PER_FN:
+                table.popitem(last=False)
+
+
+_CACHE = _TraceCache()
+
+
+def _signature(
+    treedef: optree.PyTreeSpec,
+    leaves: Sequence[Any],
+    specs: Sequence[Any],
+    split_dims: Sequence[int | None],
+) -> Any:
+    """Hashable description of the inputs, or None when it cannot be hashed. The batch size is
+    left out: the analysis does not depend on it, so a smaller last batch hits the cache."""
+    parts: list[Any] = [treedef]
+    for leaf, spec, dim in zip(leaves, specs, split_dims, strict=True):
+        if isinstance(leaf, torch.Tensor):
+            shape = tuple(None if d == dim else int(s) for d, s in enumerate(leaf.shape))
+            parts.append(
+                ("tensor", shape, dim, leaf.dtype, leaf.device, leaf.requires_grad, leaf.layout)
+            )
+        else:
+            parts.append(("value", type(leaf), leaf, spec is not None))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing.
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, Any]:
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(t), t
+    return storage._cdata, storage
+
+
+class _DependenceMode(TorchDispatchMode):
+    """Runs under the fake mode of a trace and marks every tensor computed from a marked tensor
+    or from a size involving ``symbol``.
+
+    Marks live on storages, so views share their base's mark and an in-place write of marked
+    data into any tensor marks every alias of it. Real tensors reaching an op (parameters and
+    buffers of modules captured by ``fn``) are swapped for fake copies first, so no op computes on
+    or writes to real data; :meth:`restore` puts back the ``.grad`` of any real leaf that
+    autograd touched.
+    """
+
+    # Higher-order operators (flex_attention, cond, ...) come through __torch_dispatch__ too:
+    # an output depends on the split inputs when any input does, as for any op.
+    supports_higher_order_operators = True
+
+    def __init__(self, symbol: Any, fake_mode: Any) -> None:
+        super().__init__()
+        self._symbol = symbol
+        self._fake_mode = fake_mode
+        self._marked: set[int] = set()
+        self._alive: list[Any] = []  # keeps marked storages alive: their ids stay unique
+        self._real_leaves: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (tensor, its .grad)
+
+    def mark(self, t: torch.Tensor) -> None:
+        key, keep = _storage_key(t)
+        if key not in self._marked:
+            self._marked.add(key)
+            self._alive.append(keep)
+
+    def is_marked(self, t: torch.Tensor) -> bool:
+        return _storage_key(t)[0] in self._marked
+
+    def _depends(self, x: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return self.is_marked(x)
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return self._symbol in x.node.expr.free_symbols
+        return False
+
+    def _mark_tree(self, tree: Any) -> None:
+        for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
+            if isinstance(leaf, torch.Tensor):
+                self.mark(leaf)
+
+    def _fake(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or _is_fake(x):
+            return x
+        if x.is_leaf and id(x) not in self._real_leaves:
+            self._real_leaves[id(x)] = (x, x.grad)
+        return self._fake_mode.from_tensor(x, static_shapes=True)
+
+    def restore(self) -> None:
+        for tensor, grad in self._real_leaves.values():
+            if tensor.grad is not grad:
+                tensor.grad = grad
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
+        if any(isinstance(x, torch.Tensor) and not _is_fake(x) for x in leaves):
+            args, kwargs = optree.tree_map(self._fake, (args, kwargs), namespace=NAMESPACE)
+            leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
+        out = func(*args, **kwargs)
+        if any(map(self._depends, leaves)):
+            self._mark_tree(out)
+            schema = getattr(func, "_schema", None)
+            for i, argument in enumerate(schema.arguments if schema is not None else ()):
+                alias = argument.alias_info
+                if alias is not None and alias.is_write:
+                    self._mark_tree(args[i] if i < len(args) else kwargs.get(argument.name))
+        return out
+
+
+def _is_fake(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+def _next_prime(n: int, exclude: set[int]) -> int:
+    while n in exclude or any(n % p == 0 for p in range(2, int(n**0.5) + 1)):
+        n += 1
+    return n
+
+
+class _Trace:
+    """The state of one trace: shape env, batch symbol and dependence marks."""
+
+    def __init__(self, hint: int) -> None:
+        from torch._dynamo.source import ConstantSource
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+        self.hint = hint
+        self.env = ShapeEnv(
+            allow_scalar_outputs=False,
+            allow_dynamic_output_shape_ops=False,
+            specialize_zero_one=False,
+        )
+        source = ConstantSource("pshard_batch_size")
+        self.symbol = self.env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+        self.batch = self.env.create_symintnode(self.symbol, hint=hint, source=source)
+        self.fake_mode = FakeTensorMode(shape_env=self.env, allow_non_fake_inputs=True)
+        self.deps = _DependenceMode(self.symbol, self.fake_mode)
+
+    def fake_input(self, leaf: Any, split_dim: int | None) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if split_dim is None:
+            return self.fake_mode.from_tensor(leaf, static_shapes=True)
+        sizes = [self.batch if d == split_dim else int(s) for d, s in enumerate(leaf.shape)]
+        # Keep the memory layout (outermost dim first) so layout-sensitive ops behave alike.
+        order = sorted(range(leaf.dim()), key=lambda d: (-leaf.stride(d), d))
+        with self.fake_mode:
+            fake = torch.empty_permuted(sizes, order, dtype=leaf.dtype, device=leaf.device)
+        if leaf.requires_grad:
+            fake.requires_grad_(True)
+        self.deps.mark(fake)
+        return fake
+
+    def render(self, expr: Any) -> str:
+        import sympy
+
+        return str(expr.subs(self.symbol, sympy.Symbol("B")))
+
+    def size_expr(self, size: Any) -> Any:
+        if isinstance(size, torch.SymInt):
+            return self.env.simplify(size.node.expr)
+        return int(size)
+
+    def specialised_to(self) -> Any:
+        """The value the batch symbol was fixed to by a guard, or None if it stayed free."""
+        replaced = self.env.replace(self.symbol)
+        if replaced != self.symbol:
+            return replaced
+        bounds = self.env.var_to_range.get(self.symbol)
+        if bounds is not None and bounds.lower == bounds.upper:
+            return bounds.lower
+        return None
+
+
+def _leaf_spec(where: str, leaf: Any, trace: _Trace) -> Placement:
+    """The out spec of one output leaf."""
+    symbol = trace.symbol
+    if isinstance(leaf, torch.Tensor):
+        exprs = [trace.size_expr(s) for s in leaf.shape]
+        shape = _shape_str([trace.render(e) if not isinstance(e, int) else e for e in exprs])
+        exact = [d for d, e in enumerate(exprs) if not isinstance(e, int) and e == symbol]
+        derived = [
+            d
+            for d, e in enumerate(exprs)
+            if not isinstance(e, int) and e != symbol and symbol in e.free_symbols
+        ]
+        if derived:
+            d = derived[0]
+            raise ValueError(
+                f"{where}: dim {d} has size {trace.render(exprs[d])} (shape {shape}), an "
+                f"expression of the batch size B rather than B itself (e.g. a reshape merged "
+                f"the batch dim with another dim), so it cannot be split as Shard({d}); keep "
+                f"the batch dim separate or pass out_specs explicitly"
+            )
+        if len(exact) > 1:
+            dims = ", ".join(map(str, exact[:-1])) + f" and {exact[-1]}"
+            raise ValueError(
+                f"{where}: the batch size B is the size of dims {dims} (shape {shape}), so "
+                f"the batch dim is ambiguous; pass out_specs explicitly"
+            )
+        if exact:
+            return Shard(exact[0])
+        if _is_fake(leaf) and trace.deps.is_marked(leaf):
+            return Partial("mean")
+        return Replicate()
+    if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        expr = trace.env.simplify(leaf.node.expr)
+        if symbol in getattr(expr, "free_symbols", ()):
+            kind = type(leaf).__name__.replace("Sym", "").lower()
+            raise ValueError(
+                f"{where}: a Python {kind} computed from the batch size ({trace.render(expr)}); "
+                f"each microbatch would give a different value and Python numbers cannot be "
+                f"merged: compute it outside the function or pass out_specs explicitly"
+            )
+        return Replicate()
+    if isinstance(leaf, torch.Size):
+        for size in leaf:
+            _leaf_spec(where, size, trace)
+        return Replicate()
+    if isinstance(leaf, _SCALAR_TYPES):
+        return Replicate()
+    raise ValueError(
+        f"{where}: {article(type(leaf).__qualname__)} is neither a tensor, a Python scalar nor a "
+        f"pytree container pshard can see into; register it as a pytree node (optree namespace "
+        f"'pshard') or pass out_specs explicitly"
+    )
+
+
+def _trace_out_specs(
+    where: str,
+    fn: Callable[..., Any],
+    treedef: optree.PyTreeSpec,
+    leaves: Sequence[Any],
+    split_dims: Sequence[int | None],
+) -> tuple[optree.PyTreeSpec, list[Any]]:
+    static = {
+        int(s)
+        for leaf, dim in zip(leaves, split_dims, strict=True)
+        if isinstance(leaf, torch.Tensor)
+        for d, s in enumerate(leaf.shape)
+        if d != dim
+    }
+    trace = _Trace(_next_prime(_HINT_START, static))
+    fake_leaves = [
+        trace.fake_input(leaf, dim) for leaf, dim in zip(leaves, split_dims, strict=True)
+    ]
+    args, kwargs = tree_unflatten(treedef, fake_leaves)
+    try:
+        with trace.fake_mode, trace.deps:
+            out = fn(*args, **kwargs)
+    except Exception as error:
+        detail = re.sub(rf"\b{trace.symbol}\b", "B", str(error))
+        raise ValueError(
+            f"{where}: tracing the function on fake tensors (batch size as a symbol B, example "
+            f"value {trace.hint}) failed with {type(error).__name__}: {detail}. Batch-dim "
+            f"analysis cannot follow data-dependent Python control flow (`if tensor:`), "
+            f"`.item()`, `.tolist()` or ops whose output shape depends on values (nonzero, "
+            f"boolean masks); pass out_specs explicitly"
+        ) from error
+    finally:
+        trace.deps.restore()
+    value = trace.specialised_to()
+    if value is not None:
+        raise ValueError(
+            f"{where}: the function only works for one batch size: tracing it with a symbolic "
+            f"batch size B forced B == {value} (by a Python loop over the batch dim, `unbind`, "
+            f"or combining the batch dim with a dim of that fixed size); batch-dim analysis "
+            f"cannot follow it: pass out_specs explicitly"
+        )
+    out_names, out_leaves, out_treedef = _flatten(out, "output")
+    specs = [
+        _leaf_spec(f"{where} {n}", leaf, trace)
+        for n, leaf in zip(out_names, out_leaves, strict=True)
+    ]
+    return out_treedef, specs
+
+
+def _out_specs_from_leaf_specs(
+    fn: Callable[..., Any],
+    treedef: optree.PyTreeSpec,
+    leaves: Sequence[Any],
+    leaf_specs: Sequence[Placement | None],
+    *,
+    leaf_names: Sequence[str] | None = None,
+    api: str = "infer_out_specs",
+) -> Any:
+    """Out spec tree of ``fn`` from already-resolved per-leaf input specs (cached).
+
+    ``treedef.unflatten(leaves)`` must be ``(args, kwargs)`` (as flattened by
+    ``pshard._tree.tree_flatten``), and ``leaf_specs[i]`` the spec of ``leaves[i]``: ``Shard(d)``
+    (negative ``d`` allowed), ``Replicate()`` or ``None``. ``leaf_names[i]`` names the leaf in
+    errors (e.g. ``"in_specs[0]['x']"``); ``api`` starts every error (``"api(fn_name) ..."``).
+
+    The result is cached per ``fn`` and input signature (treedef, shapes without the batch size,
+    dtypes, devices, requires_grad, split dims, non-tensor values); errors are not cached.
+    """
+    where = f"{api}({_fn_name(fn)})"
+    if leaf_names is None:
+        leaf_names = [f"input leaf {i}" for i in range(len(leaves))]
+    if not (len(leaves) == len(leaf_specs) == len(leaf_names) == treedef.num_leaves):
+        raise ValueError(
+            f"{where}: {len(leaves)} leaves, {len(leaf_specs)} specs and {len(leaf_names)} "
+            f"names for a treedef of {treedef.num_leaves} leaves"
+        )
+    split_dims = _check_leaf_specs(where, leaves, leaf_specs, leaf_names)
+    signature = _signature(treedef, leaves, leaf_specs, split_dims)
+    cached = None if signature is None else _CACHE.get(fn, signature)
+    if cached is None:
+        cached = _trace_out_specs(where, fn, treedef, leaves, split_dims)
+        if signature is not None:
+            _CACHE.put(fn, signature, cached)
+    out_treedef, specs = cached
+    return _spec_tree(out_treedef, specs)
+
+
+def infer_out_specs(
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    in_specs: Any = None,
+    kw_specs: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """Infer the out specs of ``fn(*args, **kwargs)`` when its inputs are split into microbatches.
+
+    ``fn`` is traced once on fake tensors (no real compute): the split dim of every ``Shard(d)``
+    input gets one shared symbolic size ``B`` (the batch size), every other dim keeps its size.
+    Each output leaf then gets:
+
+    - ``Shard(d)`` when its dim ``d`` has size exactly ``B``;
+    - ``Partial("mean")`` when it has no dim of size ``B`` but depends on a split input (or on
+      ``B``): a reduction over the batch, such as a mean loss;
+    - ``Replicate()`` when it does not depend on the split inputs at all (e.g. a function of the
+      parameters only), and for Python scalars and ``None``.
+
+    Pseudo-code::
+
+        B = Symbol()                        # shared by every Shard input's split dim
+        out = fn(*fake(args, B), **fake(kwargs, B))
+        spec(leaf) = Shard(d)          if leaf.shape[d] == B
+                     Partial("mean")   if leaf depends on a Shard input
+                     Replicate()       otherwise
+
+    The result is cached per ``fn`` (held weakly) and input signature (tree structure, shapes
+    apart from the batch size, dtypes, specs, non-tensor argument values), so ``fn`` is traced
+    once per signature; the cache assumes ``fn``'s behaviour depends only on that signature
+    (not on, say, a closure whose shapes change).
+
+    The batch symbol's example value while tracing is a small prime that no input dim has
+    (``17`` unless taken), never the real batch size: a batch of 1 is not specialised away by
+    broadcasting, and a batch size equal to another dim's size is never mistaken for it.
+
+    ``Partial("mean")`` is the convention for every batch-dependent output without the batch
+    dim (right for mean losses and their gradients); a sum or a count over the batch needs
+    explicit out specs (``Partial("sum")``). A dim of size ``B`` is taken for the batch dim even
+    when its values index the batch (``torch.arange(B)``); random tensors that do not depend on
+    the inputs are ``Replicate()``. Python side effects of ``fn`` happen during the trace (on
+    fake values). Not supported (an error that asks for explicit out specs): a Python loop over
+    the batch dim, ``.item()`` and other data-dependent values, flex attention (its eager path
+    compiles, which refuses the tracing mode), and analysis nested inside another trace.
+
+    Args:
+        fn: the function; it may call ``nn.Module``\\ s (their parameters and buffers stay
+            real and are never modified; ``.grad`` is restored), ``torch.func`` transforms,
+            autograd and higher-order ops such as ``torch.cond``.
+        *args: positional arguments for ``fn``.
+        in_specs: a prefix tree of ``args`` of ``Shard(d)``, ``Replicate()`` or ``None``
+            (= ``Replicate()``). Default: ``Shard(0)`` for tensors with at least one dim,
+            ``Replicate()`` for everything else (``pmap_microbatch``'s default).
+        kw_specs: the same for ``kwargs`` (a prefix tree of the kwargs dict).
+        **kwargs: keyword arguments for ``fn``.
+
+    Returns:
+        A spec tree with the structure of ``fn``'s output (``None`` outputs stay ``None``, which
+        as a spec means ``Replicate()``).
+
+    Raises:
+        ValueError: naming the function and the output path (``infer_out_specs(loss_fn)
+            output[1]['logits']: ...``) when an output has the batch size in two dims, or has a
+            dim that is an expression of it (``2*B`` after a reshape), or is a Python number
+            computed from it; when tracing fails (data-dependent control flow, ``.item()``);
+            when the Shard inputs disagree on the batch size; for specs that are not a prefix of
+            the arguments or do not fit their leaf (``TypeError`` for a spec that is not
+            ``Shard``/``Replicate``/``None``).
+
+    Example:
+        >>> import torch
+        >>> import pshard as ps
+        >>> def loss_fn(w, x):
+        ...     logits = x @ w
+        ...     return logits.logsumexp(-1).mean(), {"logits": logits, "w_norm": w.norm()}
+        >>> ps.infer_out_specs(loss_fn, torch.ones(3, 5), torch.ones(8, 3),
+        ...                    in_specs=(ps.Replicate(), ps.Shard(0)))
+        (Partial('mean'), {'logits': Shard(0), 'w_norm': Replicate()})
+    """
+    api = "infer_out_specs"
+    where = f"{api}({_fn_name(fn)})"
+    if not callable(fn):
+        raise TypeError(f"{api}: fn must be callable, got {fn!r} ({type(fn).__name__})")
+    treedef, leaves, specs, names = _resolve_in_specs(where, args, kwargs, in_specs, kw_specs)
+    return _out_specs_from_leaf_specs(fn, treedef, leaves, specs, leaf_names=names, api=api)

@@ -1,0 +1,114 @@
+"""The raw communication under pshard's collectives: plain tensors in, new tensors out.
+
+No autograd here: the differentiable wrappers in ``_collectives.py`` call these from their
+``forward``. Every function takes contiguous copies only where the backend needs them and moves
+data with one ``torch.distributed`` call (``batch_isend_irecv`` for permutations); tensors are
+handed to the backend flattened to one dim, which every backend accepts for every layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._debug import check_collective, debug_enabled, perm_code
+from ._mesh import Axis, resolve_axis
+
+Perm = tuple[tuple[int, int], ...]
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Comm(NamedTuple):
+    """A resolved axis plus whether debug checks are on; ``group`` is ``None`` for one rank."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    name: str
+    debug: bool
+
+
+def comm(axis: Axis, fn: str) -> Comm:
+    info = resolve_axis(axis, fn=fn)
+    return Comm(info.group, info.size, info.rank, info.name, debug_enabled())
+
+
+def all_reduce(x: torch.Tensor, c: Comm, op: str) -> torch.Tensor:
+    if c.debug:
+        check_collective(op, c.group, c.name, x)
+    out = x.clone(memory_format=torch.contiguous_format)
+    red = {"psum": dist.ReduceOp.SUM, "pmax": dist.ReduceOp.MAX, "pmin": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(out, op=red, group=c.group)
+    return out
+
+
+def all_gather(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
+    if c.debug:
+        check_collective("all_gather", c.group, c.name, x, (dim, int(tiled)))
+    inp = x.contiguous()
+    buf = inp.new_empty((c.size, *inp.shape))
+    _all_gather_flat(buf.view(-1), inp.view(-1), group=c.group)  # flat: any backend, no copy
+    if tiled:  # (n, ..., s_dim, ...) -> (..., n * s_dim, ...), rank-major
+        return buf.movedim(0, dim).flatten(dim, dim + 1)
+    return buf.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
+    if c.debug:
+        check_collective("psum_scatter", c.group, c.name, x, (dim, int(tiled)))
+    blocks = x.unflatten(dim, (c.size, -1)) if tiled else x.unsqueeze(dim + 1)
+    inp = blocks.movedim(dim, 0).contiguous()  # block r is the r-th slab of the buffer
+    out = inp.new_empty(inp.shape[1:])
+    _reduce_scatter_flat(out.view(-1), inp.view(-1), group=c.group)
+    return out if tiled else out.squeeze(dim)
+
+
+def all_to_all(x: torch.Tensor, c: Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
+    if c.debug:
+        check_collective("all_to_all", c.group, c.name, x, (split_dim, concat_dim))
+    inp = x.unflatten(split_dim, (c.size, -1)).movedim(split_dim, 0).contiguous()
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out.view(-1), inp.view(-1), group=c.group)  # out[r]: from rank r
+    return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+
+def ppermute(x: torch.Tensor, c: Comm, perm: Perm) -> torch.Tensor:
+    if c.debug and c.group is not None:
+        check_collective("ppermute", c.group, c.name, x, (perm_code(perm),))
+    out = None
+    ops = []
+    inp = x.contiguous()
+    for src, dst in perm:
+        if src == dst == c.rank:
+            out = x.clone(memory_format=torch.contiguous_format)
+        elif src == c.rank:
+            peer = dist.get_global_rank(c.group, dst)
+            ops.append(dist.P2POp(dist.isend, inp, peer, c.group))
+        elif dst == c.rank:
+            out = torch.empty_like(inp)
+            peer = dist.get_global_rank(c.group, src)
+            ops.append(dist.P2POp(dist.irecv, out, peer, c.group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return torch.zeros_like(inp) if out is None else out
+
+
+def broadcast(x: torch.Tensor, c: Comm, src: int) -> torch.Tensor:
+    if c.debug:
+        check_collective("broadcast", c.group, c.name, x, (src,))
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.broadcast(out, src=dist.get_global_rank(c.group, src), group=c.group)
+    return out
+
+
+def reduce(x: torch.Tensor, c: Comm, dst: int) -> torch.Tensor:
+    if c.debug:
+        check_collective("reduce", c.group, c.name, x, (dst,))
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.reduce(out, dst=dist.get_global_rank(c.group, dst), group=c.group)
+    return out if c.rank == dst else out.zero_()

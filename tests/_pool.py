@@ -1,0 +1,97 @@
+"""A pool of persistent gloo workers for multi-process tests (the ``pool`` fixture).
+
+One gang of ``nprocs`` workers per world size, started on first use and reused by later tests
+(process group kept alive). Built on ``pshard._spawn._Gang``, the machinery under ``ps.spawn``:
+same start-up, loopback rendezvous, remote tracebacks and teardown.
+
+    results = pool.run(nprocs, fn, *args, timeout=120.0, **kwargs)  # per-rank values, rank order
+
+``fn`` must be a module-level function of a test module (pickled by reference). In each worker it
+runs in a fresh ``contextvars.Context()`` (no current mesh leaks between tests), after
+``torch.manual_seed(0)`` and ``torch.set_num_threads(1)``, with the warning filters, the default
+dtype and the grad mode restored afterwards.
+
+If any rank raises, ``run`` raises that exception (original type when picklable, the rank in a
+note, remote tracebacks as ``__cause__``), else ``pshard.SpawnError``. The gang survives when every
+rank finished (returned or raised) and the ranks still agree on their process groups; it is torn
+down, and started again on next use, when a rank died, a rank was still running ``_GRACE_S``
+after another failed (stuck in a collective), ``timeout`` passed, or the groups diverged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pshard._spawn import _check_fn, _Gang, _pickle_task
+
+# Seconds a fresh gang may take to start (imports of torch on a loaded 2-core machine).
+_STARTUP_TIMEOUT_S = 120.0
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """Runs in the worker: ``fn`` with per-test state reset and restored."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    try:
+        with warnings.catch_warnings():
+            return contextvars.Context().run(fn, *args, **kwargs)
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+
+
+class WorkerPool:
+    """Persistent worker gangs keyed by world size. See the module docstring."""
+
+    def __init__(self, backend: str = "gloo") -> None:
+        self._backend = backend
+        self._gangs: dict[int, _Gang] = {}
+        self.starts: dict[int, int] = {}  # gangs started per world size (restarts are visible)
+
+    def _gang(self, nprocs: int) -> _Gang:
+        gang = self._gangs.get(nprocs)
+        if gang is not None and gang.alive():
+            return gang
+        if gang is not None:
+            self._gangs.pop(nprocs).kill()
+        gang = _Gang(nprocs, backend=self._backend, caller="pool.run")
+        self.starts[nprocs] = self.starts.get(nprocs, 0) + 1
+        try:
+            gang.wait_ready(time.monotonic() + _STARTUP_TIMEOUT_S, _STARTUP_TIMEOUT_S)
+        except BaseException:
+            gang.kill()
+            raise
+        self._gangs[nprocs] = gang
+        return gang
+
+    def pids(self, nprocs: int) -> list[int | None]:
+        """Process ids of the live gang of ``nprocs`` workers (empty when there is none)."""
+        gang = self._gangs.get(nprocs)
+        return gang.pids if gang is not None and gang.alive() else []
+
+    def run(self, nprocs: int, fn: Callable, /, *args: Any, timeout: float = 120.0, **kwargs: Any):
+        """``fn(*args, **kwargs)`` on every rank of the ``nprocs`` gang; values in rank order."""
+        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"pool.run: nprocs must be an int >= 1, got {nprocs!r}")
+        _check_fn(fn, "pool.run")
+        task = _pickle_task(_call, (fn, args, kwargs), {}, "pool.run")
+        gang = self._gang(nprocs)
+        try:
+            return gang.call(task, time.monotonic() + timeout, timeout)
+        finally:
+            if not gang.alive():
+                gang.kill()
+                self._gangs.pop(nprocs, None)
+
+    def close(self) -> None:
+        """Stop every gang: workers leave their process group and exit; nothing is left."""
+        gangs, self._gangs = self._gangs, {}
+        for gang in gangs.values():
+            gang.close()
