@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from ._batch_dim import _out_specs_from_leaf_specs
 from ._placements import Partial, Replicate, Shard
 from ._specs import check_specs, resolve_specs
 from ._split_merge import (
@@ -79,21 +80,21 @@ class _Names:
 
 def _infer_out_specs(
     fn: Callable[..., Any],
-    where: str,
     args_def: Any,
     kwargs_def: Any,
     leaves: list[Any],
     specs: list[Any],
     name_of: _Names,
 ) -> Any:
-    """The out spec tree of ``fn`` by batch-dim analysis (``out_specs="infer"``)."""
-    try:
-        from ._batch_dim import _out_specs_from_leaf_specs
-    except ImportError:
-        raise ValueError(
-            f"{where}: out_specs='infer' needs batch-dim analysis, which this build of pshard "
-            "lacks; pass out_specs explicitly (e.g. out_specs=ps.Partial('mean') for a loss)"
-        ) from None
+    """The out spec tree of ``fn`` by batch-dim analysis (``out_specs="infer"``), cached there
+    per function and input signature."""
+    for i, (leaf, spec) in enumerate(zip(leaves, specs, strict=True)):
+        if type(spec) is Shard and is_block_mask(leaf):
+            raise ValueError(
+                f"pmap_microbatch({_fn_name(fn)}) {name_of(i)}: out_specs='infer' cannot trace "
+                "a function through a BlockMask it splits (flex attention does not run on fake "
+                "tensors); pass out_specs explicitly, e.g. out_specs=ps.Shard(0)"
+            )
     treedef = optree.treespec_tuple([args_def, kwargs_def], namespace=NAMESPACE)
     names = [name_of(i) for i in range(len(leaves))]
     return _out_specs_from_leaf_specs(
@@ -306,7 +307,7 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
     )
     out_specs = config.out_specs
     if isinstance(out_specs, str) and out_specs == "infer":
-        out_specs = _infer_out_specs(fn, where, args_def, kwargs_def, leaves, specs, name_of)
+        out_specs = _infer_out_specs(fn, args_def, kwargs_def, leaves, specs, name_of)
 
     weight_fn = config.weight_fn
     reducers: list[Any] = []

@@ -24,7 +24,6 @@ Internal interface (used by :func:`pshard.pmap_microbatch`):
   tensor when it cannot be read, e.g. under ``vmap``).
 - ``flatten_like(treedef, tree, *, where, name, what, first_what, ...)``: the leaves of
   ``tree`` at the leaf positions of ``treedef``, or an error naming where the structures differ.
-- ``debug_enabled()``: whether debug checks are on (``PSHARD_DEBUG``).
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import numbers
-import os
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
@@ -47,16 +45,7 @@ from ._tree import NAMESPACE, article, describe, is_block_mask, keystr, leaf_pat
 
 __all__ = ["merge", "split"]
 
-try:
-    from ._debug import debug_enabled
-except ImportError:  # pragma: no cover - depends on which modules are present
-
-    def debug_enabled() -> bool:
-        """Whether debug checks are on: ``PSHARD_DEBUG`` set to anything but ``""``/``0``/
-        ``false``/``off``/``no``."""
-        flag = os.environ.get("PSHARD_DEBUG", "").strip().lower()
-        return flag not in ("", "0", "false", "off", "no")
-
+from ._debug import debug_enabled
 
 NameOf = Callable[[int], str]
 

@@ -304,8 +304,17 @@ def test_block_mask_inputs():
     def attend(q, k, v, mask):
         return flex_attention(q, k, v, block_mask=mask)
 
+    expected = attend(q, key, v, mask)
     out = ps.pmap_microbatch(attend, num_microbatches=2, out_specs=ps.Shard(0))(q, key, v, mask)
-    torch.testing.assert_close(out, attend(q, key, v, mask))
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "pmap_microbatch(attend) in_specs[3]: out_specs='infer' cannot trace a function "
+            "through a BlockMask it splits"
+        ),
+    ):
+        ps.pmap_microbatch(attend, num_microbatches=2)(q, key, v, mask)
 
 
 def test_mapping_and_dataclass_batches():
@@ -346,10 +355,24 @@ def test_default_in_specs_and_kwargs():
 
 
 def test_infer_out_specs():
-    pytest.importorskip("pshard._batch_dim")
     params, (x, y) = make_params(), make_data()
-    f = ps.pmap_microbatch(loss_and_logits, num_microbatches=3, in_specs=SPLIT)
-    assert_close_trees(f(params, x, y), loss_and_logits(params, x, y))
+
+    def loss_logits_norm(params, x, y):
+        logits = mlp(params, x)
+        return F.cross_entropy(logits, y), logits, params["w1"].norm()
+
+    f = ps.pmap_microbatch(loss_logits_norm, num_microbatches=3, in_specs=SPLIT)
+    assert_close_trees(f(params, x, y), loss_logits_norm(params, x, y))
+    step = ps.pmap_microbatch(grad_and_value(loss_fn), num_microbatches=4, in_specs=SPLIT)
+    assert_close_trees(step(params, x, y), grad_and_value(loss_fn)(params, x, y))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "pmap_microbatch(loss_and_logits) output[1]['flat']: dim 0 has size 3*B (shape "
+            "(3*B,)), an expression of the batch size B"
+        ),
+    ):
+        ps.pmap_microbatch(loss_and_logits, num_microbatches=3, in_specs=SPLIT)(params, x, y)
 
 
 # --------------------------------------------------------------------------- errors
