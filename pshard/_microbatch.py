@@ -17,16 +17,9 @@ import torch
 
 from ._batch_dim import _out_specs_from_leaf_specs
 from ._placements import Partial, Replicate, Shard
+from ._reduce import ReduceError, make_reducer, weight_value
 from ._specs import check_specs, resolve_specs
-from ._split_merge import (
-    ReduceError,
-    flatten_like,
-    make_reducer,
-    plan_split,
-    resolve_quick,
-    split_columns,
-    weight_value,
-)
+from ._split_merge import flatten_like, plan_split, resolve_quick, split_columns
 from ._tree import NAMESPACE, is_block_mask, keystr, tree_flatten
 
 __all__ = ["pmap_microbatch"]
@@ -123,12 +116,13 @@ def pmap_microbatch(
         chunks = split((args, kwargs), (in_specs, kw_specs), k)
         for i, (a, kw) in enumerate(chunks):
             out = fn(*a, **kw)
-            w = weight_fn(*a, **kw) if weight_fn else len(microbatch i)
-            for leaf, spec in out, out_specs:
+            w_i = weight_fn(*a, **kw) if weight_fn else size of microbatch i
+            for each leaf of out and its spec in out_specs:
                 Shard(d):         write leaf into its place along d of the merged output
                 Partial("sum"):   acc += leaf          ("max"/"min" likewise)
-                Partial("mean"):  acc = sum_i(w_i * leaf_i) / sum_i(w_i), kept as a running mean
+                Partial("mean"):  acc = sum_i(w_i * leaf_i) / sum_i(w_i)  (a running mean)
                 Replicate():      the value of microbatch 0
+            del out                # nothing of microbatch i is kept but the accumulators
         return the merged outputs
 
     Peak memory is therefore one microbatch's intermediate values plus the accumulators and
@@ -151,7 +145,10 @@ def pmap_microbatch(
     ``loss`` returning the mean over its tokens, both the merged loss and the merged gradients
     are exactly the token mean over the whole batch, however unevenly the tokens fall. A
     microbatch of weight 0 contributes nothing to any ``"mean"`` output (no NaN either, even if
-    its own mean is ``0/0``); if every weight is 0 the means are zeros.
+    its own mean is ``0/0``); if every weight is 0 the means are zeros. A tensor weight is read
+    on the host once per microbatch (a device sync) to know this; under ``vmap``, where it
+    cannot be read, a zero weight is applied by selection (NaN-free values, but a gradient
+    through a ``0/0`` stays NaN).
 
     Args:
         fn: the function. Called as ``fn(*args, **kwargs)`` once per microbatch.
@@ -167,8 +164,11 @@ def pmap_microbatch(
         out_specs: a prefix tree of ``fn``'s output of ``Shard(d)`` (concatenate),
             ``Partial("sum" | "mean" | "max" | "min")`` (reduce), ``Replicate()`` or ``None``
             (take microbatch 0's). ``"infer"`` (default) finds them by batch-dim analysis
-            (:func:`pshard.infer_out_specs`): outputs carrying the batch dim are ``Shard``, the
-            others that depend on the batch ``Partial("mean")``.
+            (:func:`pshard.infer_out_specs`, traced once per input signature on fake tensors):
+            outputs carrying the batch dim are ``Shard``, the others that depend on the batch
+            ``Partial("mean")``, the rest ``Replicate()``. Functions it cannot trace
+            (data-dependent control flow, ``.item()``, flex attention over a split ``BlockMask``)
+            need explicit ``out_specs``.
         weight_fn: ``weight_fn(*mb_args, **mb_kwargs)`` gives each microbatch's weight (a
             non-negative number or one-element tensor, read once per microbatch) for every
             ``"mean"`` output. Default: the microbatch's size along the split dim.
@@ -201,6 +201,16 @@ def pmap_microbatch(
         >>> g_full, value_full = torch.func.grad_and_value(loss)(w, x, y)
         >>> torch.allclose(g, g_full) and torch.allclose(value, value_full)
         True
+
+        As a decorator, with the out specs inferred (predictions carry the batch dim: ``Shard(0)``;
+        their mean does not: ``Partial("mean")``):
+
+        >>> @ps.pmap_microbatch(microbatch_size=4, in_specs=(None, ps.Shard(0)))
+        ... def predict(w, x):
+        ...     return x @ w, (x @ w).mean()
+        >>> pred, mean = predict(w, x)
+        >>> pred.shape, torch.allclose(mean, (x @ w).mean())
+        (torch.Size([10]), True)
     """
     _check_count("num_microbatches", num_microbatches)
     _check_count("microbatch_size", microbatch_size)
