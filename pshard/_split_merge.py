@@ -93,6 +93,7 @@ def resolve_quick(
     for spec in unique.values():
         if spec is not None and type(spec) not in allowed:
             check_specs(leaves, flat, treedef, name=name, fn_name=fn_name, allowed=allowed)
+            raise TypeError(f"{fn_name} {name}: {spec!r} is not allowed here")  # pragma: no cover
     if any(spec is None for spec in unique.values()):
         flat = [_REPLICATE if spec is None else spec for spec in flat]
     return flat
@@ -144,6 +145,7 @@ def _plan_general(
             ndim = leaf.ndim
             if not -ndim <= dim < ndim:
                 misfit(i)
+                raise ValueError(f"{where} {name_of(i)}: {spec!r} but {describe(leaf)}")
             n = leaf.shape[dim]
             tensors.append((i, dim))
         elif is_block_mask(leaf) and dim in (0, -4):
