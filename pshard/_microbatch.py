@@ -16,6 +16,7 @@ import optree
 import torch
 
 from ._batch_dim import _out_specs_from_leaf_specs
+from ._debug import debug_enabled
 from ._placements import Partial, Replicate, Shard
 from ._reduce import ReduceError, make_reducer, weight_value
 from ._specs import check_specs, resolve_specs
@@ -345,8 +346,9 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
                 fn_name=where,
                 allowed=_OUT_SPECS,
             )
+            debug = debug_enabled()
             reducers = [
-                make_reducer(spec, config.accum_dtype, sizes, "microbatch {}", k)
+                make_reducer(spec, config.accum_dtype, sizes, "microbatch {}", k, debug=debug)
                 for spec in out_resolved
             ]
         else:

@@ -19,9 +19,10 @@ is out of place, so gradients flow through the merge.
 
 Internal interface:
 
-- ``make_reducer(spec, accum_dtype, sizes, label, chunks)``: the reducer of one leaf with
-  (checked) spec ``spec`` over ``chunks`` chunks; ``sizes`` are the chunks' input sizes along the
-  split (for ``Concat``; None when unknown); ``label.format(i)`` names chunk ``i`` in messages.
+- ``make_reducer(spec, accum_dtype, sizes, label, chunks, *, debug=None)``: the reducer of
+  one leaf with (checked) spec ``spec`` over ``chunks`` chunks; ``sizes`` are the chunks' input
+  sizes along the split (for ``Concat``; None when unknown); ``label.format(i)`` names chunk
+  ``i`` in messages; ``debug`` turns on the ``Replicate()`` equality check.
 - ``ReduceError``: raised by ``add``; the message lacks the key path, which the caller adds.
 - ``weight_value(w, what) -> float | Tensor``: a chunk's weight as a float (a one-element
   tensor when it cannot be read, e.g. under ``vmap``).
@@ -269,10 +270,10 @@ class _First(_Reducer):
     __slots__ = ("check",)
 
     def __init__(
-        self, spec: Any, accum_dtype: torch.dtype | None, label: str, several: bool
+        self, spec: Any, accum_dtype: torch.dtype | None, label: str, several: bool, check: bool
     ) -> None:
         super().__init__(spec, accum_dtype, label, several)
-        self.check = debug_enabled()
+        self.check = check  # debug mode: compare every chunk's value with the first
 
     def add(self, x: Any, w: Any, i: int) -> None:
         if i == 0:
@@ -384,11 +385,18 @@ class Concat:
 
 
 def make_reducer(
-    spec: Any, accum_dtype: torch.dtype | None, sizes: list[int] | None, label: str, chunks: int
+    spec: Any,
+    accum_dtype: torch.dtype | None,
+    sizes: list[int] | None,
+    label: str,
+    chunks: int,
+    *,
+    debug: bool | None = None,
 ) -> Any:
     """The streaming reduction of one output leaf with (checked) spec ``spec`` over ``chunks``
     chunks; ``label`` names chunk ``i`` in messages as ``label.format(i)``
-    (``"microbatch {}"``)."""
+    (``"microbatch {}"``); ``debug`` (default: :func:`pshard.debug_enabled`) turns on the
+    equality check of ``Replicate()`` leaves."""
     kind = type(spec)
     if kind is Shard:
         return Concat(spec, sizes, label)
@@ -400,4 +408,4 @@ def make_reducer(
         if reduce == "mean":
             return _Mean(spec, accum_dtype, label, several)
         return _Extreme(spec, accum_dtype, label, several)
-    return _First(spec, accum_dtype, label, several)
+    return _First(spec, accum_dtype, label, several, debug_enabled() if debug is None else debug)

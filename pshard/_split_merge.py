@@ -35,6 +35,7 @@ import optree
 import torch
 from optree import PyTreeSpec
 
+from ._debug import debug_enabled
 from ._placements import Partial, Replicate, Shard
 from ._reduce import ReduceError, make_reducer, weight_value
 from ._specs import broadcast_prefix_flat, check_specs
@@ -591,6 +592,7 @@ def merge(chunks: Sequence[Any], specs: Any, *, weights: Sequence[Any] | None = 
     else:
         mean_weights = None
     out: list[Any] = []
+    debug: bool | None = None
     for i, (spec, column) in enumerate(zip(resolved, columns, strict=True)):
         kind = type(spec)
         if kind is Shard:
@@ -606,7 +608,9 @@ def merge(chunks: Sequence[Any], specs: Any, *, weights: Sequence[Any] | None = 
             continue
         if kind is Partial and spec.reduce == "mean" and mean_weights is None:
             mean_weights = _default_weights(resolved, columns, k)
-        reducer = make_reducer(spec, None, None, "chunks[{}]", k)
+        if debug is None:
+            debug = debug_enabled()
+        reducer = make_reducer(spec, None, None, "chunks[{}]", k, debug=debug)
         try:
             for c, x in enumerate(column):
                 reducer.add(x, mean_weights[c] if mean_weights is not None else 1.0, c)
