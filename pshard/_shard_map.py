@@ -53,7 +53,8 @@ class _Mesh:
 
     def comm(self, axes: Iterable[str]) -> Comm | None:
         """The group over ``axes`` (put in mesh order; size-1 axes dropped); None for size 1."""
-        key = tuple(n for n in self.mapped if n in set(axes) and self.sizes[n] > 1)
+        wanted = set(axes)
+        key = tuple(n for n in self.mapped if n in wanted and self.sizes[n] > 1)
         if key not in self._comms:
             if not key:
                 self._comms[key] = None

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import pshard as ps
+from pshard._tree import tree_flatten as ps_tree_flatten
 
 MESHES: dict[int, tuple[dict[str, int], ...]] = {
     1: ({"x": 1},),
@@ -31,7 +32,14 @@ f64 = torch.float64
 
 
 def _close(a: Any, b: Any) -> None:
-    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    """Same structure, shapes and dtypes, values within 1e-9 (torch.testing.assert_close would
+    import DTensor in every worker, seconds on a loaded machine)."""
+    la, ta = ps_tree_flatten(a)
+    lb, tb = ps_tree_flatten(b)
+    assert ta == tb, (ta, tb)
+    for x, y in zip(la, lb, strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
+        assert torch.allclose(x, y, rtol=1e-9, atol=1e-9, equal_nan=True), (x, y)
 
 
 def _randn(*shape: int) -> torch.Tensor:
@@ -193,3 +201,190 @@ def _forward_more(mesh: dict[str, int]) -> int:
 def test_forward_against_loop(pool: Any, nprocs: int) -> None:
     counts = pool.run(nprocs, _forward_worker, nprocs)
     assert counts == [counts[0]] * nprocs and counts[0] > 40
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def _mlp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return ((x @ w + b).tanh() ** 2).sum()
+
+
+def _leaf_grads(f: Callable, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gradients by ``.backward()``."""
+    leaves = [a.detach().clone().requires_grad_() for a in args]
+    f(*leaves).backward()
+    return tuple(leaf.grad for leaf in leaves)
+
+
+def _grad_worker(nprocs: int) -> list[torch.Tensor]:
+    """Gradients through shard_map against torch.func.grad of the unsharded function; returns
+    every gradient computed (the caller checks they are identical on every rank)."""
+    grads: list[torch.Tensor] = []
+
+    def same(got: Any, want: Any) -> None:
+        _close(got, want)
+        grads.extend(ps_tree_flatten(got)[0])
+
+    for mesh in MESHES[nprocs]:
+        ps.init_mesh(mesh)
+        ax = _all(mesh)
+        split = (ps.Shard(0), None, None)
+        for rows in ROWS:
+            x, w, b, v = _randn(rows, 5), _randn(5, 3), _randn(3), _randn(3)
+            args = (x, w, b)
+            want = grad(_mlp, argnums=(0, 1, 2))(*args)
+            psum_inside = ps.shard_map(
+                lambda x, w, b: ps.psum(_mlp(x, w, b), ax), in_specs=split, out_specs=ps.P()
+            )
+            partial_sum = ps.shard_map(_mlp, in_specs=split, out_specs=ps.Partial())
+            for f in (psum_inside, partial_sum):
+                _close(f(*args), _mlp(*args))
+                same(grad(f, argnums=(0, 1, 2))(*args), want)
+                same(_leaf_grads(f, *args), want)
+            # a gathered output, the loss outside
+            act = ps.shard_map(
+                lambda x, w, b: (x @ w + b).tanh(), in_specs=split, out_specs=ps.Shard(0)
+            )
+            same(grad(lambda *a: (act(*a) ** 2).sum(), argnums=(0, 1, 2))(*args), want)
+            # a replicated output computed without collectives (cotangent divided, psum'd back)
+            rep = ps.shard_map(lambda w: (2 * w).sin(), in_specs=None, out_specs=ps.P())
+            same(grad(lambda w: (rep(w) * v).sum())(w), grad(lambda w: ((2 * w).sin() * v).sum())(w))
+            # two outputs: a gathered one and a replicated one
+            both = ps.shard_map(
+                lambda x, w, b: ((x @ w + b).tanh(), ps.psum((x @ w).sum(0), ax)),
+                in_specs=split,
+                out_specs=(ps.P(ax), ps.P()),
+            )
+
+            def mixed(x: Any, w: Any, b: Any, f: Callable = both) -> torch.Tensor:
+                act, tot = f(x, w, b)
+                return (act**2).sum() + (tot * v).sum()
+
+            def mixed_ref(x: Any, w: Any, b: Any) -> torch.Tensor:
+                return ((x @ w + b).tanh() ** 2).sum() + ((x @ w).sum(0) * v).sum()
+
+            same(grad(mixed, argnums=(0, 1, 2))(*args), grad(mixed_ref, argnums=(0, 1, 2))(*args))
+            # Partial mean / max / min against the loop (ties split evenly, as amax does)
+            for reduce in ("mean", "max", "min"):
+                spec = ps.Partial(reduce)
+
+                def body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                    return (x @ w).sum(0)
+
+                f = ps.shard_map(body, in_specs=(ps.Shard(0), None), out_specs=spec)
+
+                def loop(x: Any, w: Any, spec: Any = spec, body: Callable = body) -> Any:
+                    return _loop(body, mesh, (x, w), (ps.Shard(0), None), spec, (3,))
+
+                _close(f(x, w), loop(x, w))
+                same(
+                    grad(lambda x, w, f=f: (f(x, w) * v).sum(), argnums=(0, 1))(x, w),
+                    grad(lambda x, w, loop=loop: (loop(x, w) * v).sum(), argnums=(0, 1))(x, w),
+                )
+                _close(jvp(f, (x, w), (x.cos(), w.sin()))[1], jvp(loop, (x, w), (x.cos(), w.sin()))[1])
+            if rows == 7:
+                grads.extend(_transforms(mesh, args, psum_inside, act))
+        if len(mesh) == 2:
+            grads.extend(_two_axes(mesh))
+    return grads
+
+
+def _transforms(mesh: dict[str, int], args: tuple, loss: Callable, act: Callable) -> list:
+    """jvp, vjp, vmap, jacrev, jacfwd, hessian and vmap(grad) through shard_map."""
+    x, w, b = args
+    tx, tw, tb = x.sin(), w.cos(), b.exp()
+
+    def act_ref(x: Any, w: Any, b: Any) -> torch.Tensor:
+        return (x @ w + b).tanh()
+
+    out = []
+    _close(jvp(loss, args, (tx, tw, tb)), jvp(_mlp, args, (tx, tw, tb)))
+    _close(jvp(act, args, (tx, tw, tb)), jvp(act_ref, args, (tx, tw, tb)))
+    ct = act_ref(*args).cos()
+    _close(vjp(act, *args)[1](ct), vjp(act_ref, *args)[1](ct))
+    xb, wb = _randn(4, *x.shape), _randn(4, *w.shape)
+    _close(vmap(act, in_dims=(0, None, None))(xb, w, b), vmap(act_ref, in_dims=(0, None, None))(xb, w, b))
+    _close(vmap(act, in_dims=(None, 0, None))(x, wb, b), vmap(act_ref, in_dims=(None, 0, None))(x, wb, b))
+    _close(vmap(act, in_dims=(1, None, None), out_dims=1)(xb.movedim(0, 1), w, b).movedim(1, 0),
+           vmap(act_ref, in_dims=(0, None, None))(xb, w, b))
+    _close(vmap(loss, in_dims=(0, None, None))(xb, w, b), vmap(_mlp, in_dims=(0, None, None))(xb, w, b))
+    gl = vmap(grad(loss), in_dims=(0, None, None))(xb, w, b)
+    _close(gl, vmap(grad(_mlp), in_dims=(0, None, None))(xb, w, b))
+    jr = jacrev(act, argnums=(0, 1))(*args)
+    _close(jr, jacrev(act_ref, argnums=(0, 1))(*args))
+    _close(jacfwd(act, argnums=1)(*args), jacfwd(act_ref, argnums=1)(*args))
+    hx = hessian(loss, argnums=0)(*args)
+    _close(hx, hessian(_mlp, argnums=0)(*args))
+    hw = hessian(loss, argnums=1)(*args)
+    _close(hw, hessian(_mlp, argnums=1)(*args))
+    out += [gl, *jr, hx, hw]
+    return out
+
+
+def _two_axes(mesh: dict[str, int]) -> list[torch.Tensor]:
+    """P specs on a (2, 2) mesh: both axes on one dim, on two dims, reversed, one axis only; and
+    a map over "sp" alone, "dp" left to the caller."""
+    out = []
+    x, v, w = _randn(5, 6), _randn(5, 6), _randn(6, 3)
+
+    def ref(x: Any, v: Any) -> torch.Tensor:
+        return (x * v).sin().sum()
+
+    for spec in (ps.P("dp", "sp"), ps.P(("dp", "sp")), ps.P(("sp", "dp")), ps.P(None, ("sp", "dp"))):
+        f = ps.shard_map(
+            lambda x, v: ps.psum((x * v).sin().sum(), ("dp", "sp")),
+            in_specs=spec,
+            out_specs=ps.P(),
+        )
+        _close(f(x, v), ref(x, v))
+        g = grad(f, argnums=(0, 1))(x, v)
+        _close(g, grad(ref, argnums=(0, 1))(x, v))
+        out.extend(g)
+    # replicated over "dp": the psum runs over "sp" only, the result is replicated over both
+    rows_sp = ps.shard_map(
+        lambda x, w: ps.psum(((x @ w) ** 2).sum(), "sp"), in_specs=(ps.P("sp"), None),
+        out_specs=ps.P(),
+    )
+    inner_dp = ps.shard_map(  # a contraction split over "dp": psum the partial products
+        lambda x, w: (ps.psum(x @ w, "dp") ** 2).sum(), in_specs=(ps.P(None, "dp"), ps.P("dp")),
+        out_specs=ps.P(),
+    )
+    want = grad(lambda x, w: ((x @ w) ** 2).sum(), argnums=(0, 1))(x, w)
+    for f in (rows_sp, inner_dp):
+        _close(f(x, w), ((x @ w) ** 2).sum())
+        g = grad(f, argnums=(0, 1))(x, w)
+        _close(g, want)
+        out.extend(g)
+    # gathered over "sp", replicated over "dp"
+    f = ps.shard_map(lambda x: x.exp(), in_specs=ps.P("sp"), out_specs=ps.P("sp"))
+    g = grad(lambda x: (f(x) * v).sum())(x)
+    _close(g, x.exp() * v)
+    out.append(g)
+    # map "sp" only: values differ along "dp" (data parallel), which fn may use itself
+    dp = ps.axis_index("dp")
+    xd = x + dp
+    f = ps.shard_map(
+        lambda x: ps.psum((x**3).sum(), "sp"), axis_names="sp", in_specs=ps.P("sp"), out_specs=ps.P()
+    )
+    _close(f(xd), (xd**3).sum())
+    _close(grad(f)(xd), 3 * xd**2)
+    gathered = ps.shard_map(
+        lambda x: x * ps.axis_size("dp"), axis_names={"sp"}, in_specs=ps.P(None, "sp"),
+        out_specs=ps.P(None, "sp"),
+    )
+    _close(gathered(xd), 2 * xd)
+    g = grad(lambda x: (gathered(x) * v).sum())(xd)
+    _close(g, 2 * v)
+    out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_gradients_match_single_process(pool: Any, nprocs: int) -> None:
+    per_rank = pool.run(nprocs, _grad_worker, nprocs)
+    assert len(per_rank[0]) > 50
+    for rank, grads in enumerate(per_rank[1:], 1):
+        for i, (a, b) in enumerate(zip(per_rank[0], grads, strict=True)):
+            if not torch.equal(a, b):
+                raise AssertionError(f"gradient {i} differs between rank 0 and rank {rank}")
