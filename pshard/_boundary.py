@@ -191,16 +191,19 @@ def _exchange_shapes(y: torch.Tensor, lay: BlockLayout) -> tuple[int, ...]:
     mine[1 : 1 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
     rows = [tuple(r) for r in all_gather(mine, c, 0, False).tolist()]
     ndims = sorted({r[0] for r in rows})
+    axes = tuple(c.name.split(","))
     if len(ndims) > 1:
         shapes = ", ".join(f"rank {i}: {_shape_text(r)}" for i, r in enumerate(rows))
         raise ValueError(
-            f"shard_map {lay.label}: the ranks of axes {c.name!r} returned blocks with different "
+            f"shard_map {lay.label}: the ranks of axes {axes} returned blocks with different "
             f"numbers of dims ({shapes}); every rank must return the same kind of value"
         )
     shapes = [r[1 : 1 + ndims[0]] for r in rows]
     msizes = _mesh_sizes(lay.sizes, lay.perm)
     split_dims = {p.dim for p in lay.shards}
-    axes_of = {d: [j for p, j in zip(lay.shards, lay.perm, strict=True) if p.dim == d] for d in split_dims}
+    axes_of = {
+        d: [j for p, j in zip(lay.shards, lay.perm, strict=True) if p.dim == d] for d in split_dims
+    }
     whole = []
     for d in range(ndims[0]):
         if d not in split_dims:
@@ -217,7 +220,7 @@ def _exchange_shapes(y: torch.Tensor, lay: BlockLayout) -> tuple[int, ...]:
         got = ", ".join(f"rank {i}: {tuple(s)}" for i, s in enumerate(shapes))
         want = ", ".join(f"rank {i}: {s}" for i, s in enumerate(plan.local))
         raise ValueError(
-            f"shard_map {lay.label}: the blocks returned on the ranks of axes {c.name!r} have "
+            f"shard_map {lay.label}: the blocks returned on the ranks of axes {axes} have "
             f"shapes ({got}), which is not how the spec splits a tensor of shape {tuple(whole)} "
             f"(torch.chunk sizes: {want}); return blocks of those sizes, or give this output a "
             f"spec that does not split the mismatching dims"
@@ -416,7 +419,9 @@ class PartialExtreme(torch.autograd.Function):
         return FromBlocks.apply(t * share, ctx.lay, True, 1.0, None, None)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], y: torch.Tensor, lay: BlockLayout, op: str) -> Any:
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], y: torch.Tensor, lay: BlockLayout, op: str
+    ) -> Any:
         if in_dims[0] is None:
             return PartialExtreme.apply(y, lay, op), None
         return PartialExtreme.apply(_front(y, in_dims[0]), lay, op), 0

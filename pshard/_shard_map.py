@@ -130,9 +130,9 @@ def _enter(x: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> An
     if check:
         guard = (
             m.all,
-            f"{_FN} {where}: check_rep: inputs must be the same on every rank of the mapped axes "
-            f"{m.axes_text(m.mapped)} (shard_map takes each rank's block itself), but this one "
-            f"differs; pass the same value on every rank",
+            f"{_FN} {lay.label}: check_rep: inputs must be the same on every rank of the "
+            f"mapped axes {m.axes_text(m.mapped)} (shard_map takes each rank's block itself), "
+            f"but this one differs; pass the same value on every rank",
         )
     return ToBlock.apply(x, lay, 1.0, guard)
 
@@ -162,7 +162,7 @@ def _exit(y: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> Any
     if check and lay.rep is not None:
         guard = (
             lay.rep,
-            f"{_FN} {where}: check_rep: {spec!r} says this output is the same on every rank of "
+            f"{_FN} {lay.label}: check_rep: {spec!r} says this output is the same on every rank of "
             f"axes {m.axes_text(lay.rep.name.split(','))} but fn returned different values; reduce "
             f"it inside fn "
             f"(ps.psum, ps.pmean), or give it Partial(...) or a spec that splits it",

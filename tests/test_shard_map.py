@@ -57,7 +57,9 @@ def _placements(spec: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
     if isinstance(spec, ps.P):
         out = []
         for name in names:
-            dims = [d for d, e in enumerate(spec) if e == name or isinstance(e, tuple) and name in e]
+            dims = [
+                d for d, e in enumerate(spec) if e == name or isinstance(e, tuple) and name in e
+            ]
             out.append(ps.Shard(dims[0]) if dims else ps.Replicate())
         return tuple(out)
     return (ps.Replicate() if spec is None else spec,) * len(names)
@@ -124,21 +126,27 @@ def _forward_cases(mesh: dict[str, int]) -> list[tuple]:
     return cases
 
 
+def _forward_case(
+    mesh: dict[str, int], body: Callable, in_specs: tuple, out_spec: Any, args: tuple, shape: Any
+) -> None:
+    seen: list = []
+
+    def spy(*a: torch.Tensor) -> torch.Tensor:
+        seen[:] = a
+        return body(*a)
+
+    got = ps.shard_map(spy, in_specs=in_specs, out_specs=out_spec)(*args)
+    _check_blocks(seen, mesh, args, in_specs)
+    assert got.shape == shape, (got.shape, shape, in_specs, out_spec)
+    _close(got, _loop(body, mesh, args, in_specs, out_spec, shape))
+
+
 def _forward_worker(nprocs: int) -> int:
     checks = 0
     for mesh in MESHES[nprocs]:
         ps.init_mesh(mesh)
-        for body, in_specs, out_spec, args, shape in _forward_cases(mesh):
-            seen: list = []
-
-            def spy(*a: torch.Tensor, body: Callable = body) -> torch.Tensor:
-                seen[:] = a
-                return body(*a)
-
-            got = ps.shard_map(spy, in_specs=in_specs, out_specs=out_spec)(*args)
-            _check_blocks(seen, mesh, args, in_specs)
-            assert got.shape == shape, (got.shape, shape, in_specs, out_spec)
-            _close(got, _loop(body, mesh, args, in_specs, out_spec, shape))
+        for case in _forward_cases(mesh):
+            _forward_case(mesh, *case)
             checks += 1
         checks += _forward_more(mesh)
     return checks
@@ -221,73 +229,82 @@ def _grad_worker(nprocs: int) -> list[torch.Tensor]:
     """Gradients through shard_map against torch.func.grad of the unsharded function; returns
     every gradient computed (the caller checks they are identical on every rank)."""
     grads: list[torch.Tensor] = []
+    for mesh in MESHES[nprocs]:
+        ps.init_mesh(mesh)
+        for rows in ROWS:
+            grads.extend(_grad_rows(mesh, rows))
+        if len(mesh) == 2:
+            grads.extend(_two_axes(mesh))
+    return grads
+
+
+def _grad_rows(mesh: dict[str, int], rows: int) -> list[torch.Tensor]:
+    grads: list[torch.Tensor] = []
 
     def same(got: Any, want: Any) -> None:
         _close(got, want)
         grads.extend(ps_tree_flatten(got)[0])
 
-    for mesh in MESHES[nprocs]:
-        ps.init_mesh(mesh)
-        ax = _all(mesh)
-        split = (ps.Shard(0), None, None)
-        for rows in ROWS:
-            x, w, b, v = _randn(rows, 5), _randn(5, 3), _randn(3), _randn(3)
-            args = (x, w, b)
-            want = grad(_mlp, argnums=(0, 1, 2))(*args)
-            psum_inside = ps.shard_map(
-                lambda x, w, b: ps.psum(_mlp(x, w, b), ax), in_specs=split, out_specs=ps.P()
-            )
-            partial_sum = ps.shard_map(_mlp, in_specs=split, out_specs=ps.Partial())
-            for f in (psum_inside, partial_sum):
-                _close(f(*args), _mlp(*args))
-                same(grad(f, argnums=(0, 1, 2))(*args), want)
-                same(_leaf_grads(f, *args), want)
-            # a gathered output, the loss outside
-            act = ps.shard_map(
-                lambda x, w, b: (x @ w + b).tanh(), in_specs=split, out_specs=ps.Shard(0)
-            )
-            same(grad(lambda *a: (act(*a) ** 2).sum(), argnums=(0, 1, 2))(*args), want)
-            # a replicated output computed without collectives (cotangent divided, psum'd back)
-            rep = ps.shard_map(lambda w: (2 * w).sin(), in_specs=None, out_specs=ps.P())
-            same(grad(lambda w: (rep(w) * v).sum())(w), grad(lambda w: ((2 * w).sin() * v).sum())(w))
-            # two outputs: a gathered one and a replicated one
-            both = ps.shard_map(
-                lambda x, w, b: ((x @ w + b).tanh(), ps.psum((x @ w).sum(0), ax)),
-                in_specs=split,
-                out_specs=(ps.P(ax), ps.P()),
-            )
+    ax = _all(mesh)
+    split = (ps.Shard(0), None, None)
+    x, w, b, v = _randn(rows, 5), _randn(5, 3), _randn(3), _randn(3)
+    args = (x, w, b)
+    want = grad(_mlp, argnums=(0, 1, 2))(*args)
+    psum_inside = ps.shard_map(
+        lambda x, w, b: ps.psum(_mlp(x, w, b), ax), in_specs=split, out_specs=ps.P()
+    )
+    partial_sum = ps.shard_map(_mlp, in_specs=split, out_specs=ps.Partial())
+    for f in (psum_inside, partial_sum):
+        _close(f(*args), _mlp(*args))
+        same(grad(f, argnums=(0, 1, 2))(*args), want)
+        same(_leaf_grads(f, *args), want)
+    # a gathered output, the loss outside
+    act = ps.shard_map(lambda x, w, b: (x @ w + b).tanh(), in_specs=split, out_specs=ps.Shard(0))
+    same(grad(lambda *a: (act(*a) ** 2).sum(), argnums=(0, 1, 2))(*args), want)
+    # a replicated output computed without collectives (cotangent divided, psum'd back)
+    rep = ps.shard_map(lambda w: (2 * w).sin(), in_specs=None, out_specs=ps.P())
+    same(grad(lambda w: (rep(w) * v).sum())(w), grad(lambda w: ((2 * w).sin() * v).sum())(w))
+    # two outputs: a gathered one and a replicated one
+    both = ps.shard_map(
+        lambda x, w, b: ((x @ w + b).tanh(), ps.psum((x @ w).sum(0), ax)),
+        in_specs=split,
+        out_specs=(ps.P(ax), ps.P()),
+    )
 
-            def mixed(x: Any, w: Any, b: Any, f: Callable = both) -> torch.Tensor:
-                act, tot = f(x, w, b)
-                return (act**2).sum() + (tot * v).sum()
+    def mixed(x: Any, w: Any, b: Any) -> torch.Tensor:
+        act, tot = both(x, w, b)
+        return (act**2).sum() + (tot * v).sum()
 
-            def mixed_ref(x: Any, w: Any, b: Any) -> torch.Tensor:
-                return ((x @ w + b).tanh() ** 2).sum() + ((x @ w).sum(0) * v).sum()
+    def mixed_ref(x: Any, w: Any, b: Any) -> torch.Tensor:
+        return ((x @ w + b).tanh() ** 2).sum() + ((x @ w).sum(0) * v).sum()
 
-            same(grad(mixed, argnums=(0, 1, 2))(*args), grad(mixed_ref, argnums=(0, 1, 2))(*args))
-            # Partial mean / max / min against the loop (ties split evenly, as amax does)
-            for reduce in ("mean", "max", "min"):
-                spec = ps.Partial(reduce)
-
-                def body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                    return (x @ w).sum(0)
-
-                f = ps.shard_map(body, in_specs=(ps.Shard(0), None), out_specs=spec)
-
-                def loop(x: Any, w: Any, spec: Any = spec, body: Callable = body) -> Any:
-                    return _loop(body, mesh, (x, w), (ps.Shard(0), None), spec, (3,))
-
-                _close(f(x, w), loop(x, w))
-                same(
-                    grad(lambda x, w, f=f: (f(x, w) * v).sum(), argnums=(0, 1))(x, w),
-                    grad(lambda x, w, loop=loop: (loop(x, w) * v).sum(), argnums=(0, 1))(x, w),
-                )
-                _close(jvp(f, (x, w), (x.cos(), w.sin()))[1], jvp(loop, (x, w), (x.cos(), w.sin()))[1])
-            if rows == 7:
-                grads.extend(_transforms(mesh, args, psum_inside, act))
-        if len(mesh) == 2:
-            grads.extend(_two_axes(mesh))
+    same(grad(mixed, argnums=(0, 1, 2))(*args), grad(mixed_ref, argnums=(0, 1, 2))(*args))
+    for reduce in ("mean", "max", "min"):
+        grads.extend(_grad_partial(mesh, ps.Partial(reduce), x, w, v))
+    if rows == 7:
+        grads.extend(_transforms(mesh, args, psum_inside, act))
     return grads
+
+
+def _grad_partial(
+    mesh: dict[str, int], spec: ps.Partial, x: torch.Tensor, w: torch.Tensor, v: torch.Tensor
+) -> list[torch.Tensor]:
+    """Partial mean / max / min against the loop (ties split evenly, as amax does)."""
+
+    def body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).sum(0)
+
+    f = ps.shard_map(body, in_specs=(ps.Shard(0), None), out_specs=spec)
+
+    def loop(x: Any, w: Any) -> Any:
+        return _loop(body, mesh, (x, w), (ps.Shard(0), None), spec, (3,))
+
+    _close(f(x, w), loop(x, w))
+    got = grad(lambda x, w: (f(x, w) * v).sum(), argnums=(0, 1))(x, w)
+    _close(got, grad(lambda x, w: (loop(x, w) * v).sum(), argnums=(0, 1))(x, w))
+    tangents = (x.cos(), w.sin())
+    _close(jvp(f, (x, w), tangents)[1], jvp(loop, (x, w), tangents)[1])
+    return list(got)
 
 
 def _transforms(mesh: dict[str, int], args: tuple, loss: Callable, act: Callable) -> list:
@@ -304,11 +321,21 @@ def _transforms(mesh: dict[str, int], args: tuple, loss: Callable, act: Callable
     ct = act_ref(*args).cos()
     _close(vjp(act, *args)[1](ct), vjp(act_ref, *args)[1](ct))
     xb, wb = _randn(4, *x.shape), _randn(4, *w.shape)
-    _close(vmap(act, in_dims=(0, None, None))(xb, w, b), vmap(act_ref, in_dims=(0, None, None))(xb, w, b))
-    _close(vmap(act, in_dims=(None, 0, None))(x, wb, b), vmap(act_ref, in_dims=(None, 0, None))(x, wb, b))
-    _close(vmap(act, in_dims=(1, None, None), out_dims=1)(xb.movedim(0, 1), w, b).movedim(1, 0),
-           vmap(act_ref, in_dims=(0, None, None))(xb, w, b))
-    _close(vmap(loss, in_dims=(0, None, None))(xb, w, b), vmap(_mlp, in_dims=(0, None, None))(xb, w, b))
+    _close(
+        vmap(act, in_dims=(0, None, None))(xb, w, b),
+        vmap(act_ref, in_dims=(0, None, None))(xb, w, b),
+    )
+    _close(
+        vmap(act, in_dims=(None, 0, None))(x, wb, b),
+        vmap(act_ref, in_dims=(None, 0, None))(x, wb, b),
+    )
+    _close(
+        vmap(act, in_dims=(1, None, None), out_dims=1)(xb.movedim(0, 1), w, b).movedim(1, 0),
+        vmap(act_ref, in_dims=(0, None, None))(xb, w, b),
+    )
+    _close(
+        vmap(loss, in_dims=(0, None, None))(xb, w, b), vmap(_mlp, in_dims=(0, None, None))(xb, w, b)
+    )
     gl = vmap(grad(loss), in_dims=(0, None, None))(xb, w, b)
     _close(gl, vmap(grad(_mlp), in_dims=(0, None, None))(xb, w, b))
     jr = jacrev(act, argnums=(0, 1))(*args)
@@ -331,7 +358,12 @@ def _two_axes(mesh: dict[str, int]) -> list[torch.Tensor]:
     def ref(x: Any, v: Any) -> torch.Tensor:
         return (x * v).sin().sum()
 
-    for spec in (ps.P("dp", "sp"), ps.P(("dp", "sp")), ps.P(("sp", "dp")), ps.P(None, ("sp", "dp"))):
+    for spec in (
+        ps.P("dp", "sp"),
+        ps.P(("dp", "sp")),
+        ps.P(("sp", "dp")),
+        ps.P(None, ("sp", "dp")),
+    ):
         f = ps.shard_map(
             lambda x, v: ps.psum((x * v).sin().sum(), ("dp", "sp")),
             in_specs=spec,
@@ -343,11 +375,13 @@ def _two_axes(mesh: dict[str, int]) -> list[torch.Tensor]:
         out.extend(g)
     # replicated over "dp": the psum runs over "sp" only, the result is replicated over both
     rows_sp = ps.shard_map(
-        lambda x, w: ps.psum(((x @ w) ** 2).sum(), "sp"), in_specs=(ps.P("sp"), None),
+        lambda x, w: ps.psum(((x @ w) ** 2).sum(), "sp"),
+        in_specs=(ps.P("sp"), None),
         out_specs=ps.P(),
     )
     inner_dp = ps.shard_map(  # a contraction split over "dp": psum the partial products
-        lambda x, w: (ps.psum(x @ w, "dp") ** 2).sum(), in_specs=(ps.P(None, "dp"), ps.P("dp")),
+        lambda x, w: (ps.psum(x @ w, "dp") ** 2).sum(),
+        in_specs=(ps.P(None, "dp"), ps.P("dp")),
         out_specs=ps.P(),
     )
     want = grad(lambda x, w: ((x @ w) ** 2).sum(), argnums=(0, 1))(x, w)
@@ -365,12 +399,17 @@ def _two_axes(mesh: dict[str, int]) -> list[torch.Tensor]:
     dp = ps.axis_index("dp")
     xd = x + dp
     f = ps.shard_map(
-        lambda x: ps.psum((x**3).sum(), "sp"), axis_names="sp", in_specs=ps.P("sp"), out_specs=ps.P()
+        lambda x: ps.psum((x**3).sum(), "sp"),
+        axis_names="sp",
+        in_specs=ps.P("sp"),
+        out_specs=ps.P(),
     )
     _close(f(xd), (xd**3).sum())
     _close(grad(f)(xd), 3 * xd**2)
     gathered = ps.shard_map(
-        lambda x: x * ps.axis_size("dp"), axis_names={"sp"}, in_specs=ps.P(None, "sp"),
+        lambda x: x * ps.axis_size("dp"),
+        axis_names={"sp"},
+        in_specs=ps.P(None, "sp"),
         out_specs=ps.P(None, "sp"),
     )
     _close(gathered(xd), 2 * xd)
@@ -388,3 +427,268 @@ def test_gradients_match_single_process(pool: Any, nprocs: int) -> None:
         for i, (a, b) in enumerate(zip(per_rank[0], grads, strict=True)):
             if not torch.equal(a, b):
                 raise AssertionError(f"gradient {i} differs between rank 0 and rank {rank}")
+
+
+# --------------------------------------------------------------------------- run-time checks
+
+
+def _message(f: Callable, *args: Any) -> str | None:
+    try:
+        f(*args)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check_worker(nprocs: int) -> dict[str, str | None]:
+    """check_rep and the other run-time errors, raised on every rank; returns the messages."""
+    out: dict[str, str | None] = {}
+    for mesh in MESHES[nprocs]:
+        ps.init_mesh(mesh)
+        _check_mesh(mesh, nprocs, out)
+    return out
+
+
+def _check_mesh(mesh: dict[str, int], nprocs: int, out: dict[str, str | None]) -> None:
+    rank = dist.get_rank()
+    ax, key = _all(mesh), "x".join(map(str, mesh.values()))
+    x = _randn(6, 2)
+    f = ps.shard_map(lambda x: 2 * x, in_specs=ps.P(ax), out_specs=ps.P(ax), check_rep=True)
+    _close(f(x), 2 * x)  # equal inputs pass
+    signed = torch.tensor([torch.nan, -0.0 if rank % 2 else 0.0], dtype=f64)
+    _close(f(signed), 2 * signed)  # NaN == NaN and -0.0 == 0.0 for the check
+    bad = x + (rank == nprocs - 1)
+    out[f"input {key}"] = _message(f, bad)
+    unchecked = ps.shard_map(lambda x: 2 * x, in_specs=ps.P(ax), out_specs=ps.P(ax))
+    out[f"unchecked {key}"] = _message(unchecked, bad)
+    with ps.debug(True):  # debug mode turns the check on
+        plain = ps.shard_map(lambda x: x, in_specs=None, out_specs=ps.P())
+        out[f"debug {key}"] = _message(plain, bad)
+    local = ps.shard_map(
+        lambda x: {"loss": x.sum(), "n": 1}, in_specs=ps.P(ax), out_specs=ps.P(), check_rep=True
+    )
+    out[f"output {key}"] = _message(local, x)
+    # blocks that are not torch.chunk's
+    ragged = ps.shard_map(
+        lambda t: (t[0][: ps.axis_index(ax) + 1],), in_specs=None, out_specs=(ps.P(ax),)
+    )
+    out[f"ragged {key}"] = _message(ragged, (x,))
+    ndims = ps.shard_map(
+        lambda x: x[0] if ps.axis_index(ax) else x, in_specs=None, out_specs=ps.Shard(0)
+    )
+    out[f"ndims {key}"] = _message(ndims, x)
+    if len(mesh) == 2:  # replicated over "dp" only, differing along it
+        along = ps.shard_map(
+            lambda x: x + ps.axis_index("dp"),
+            in_specs=ps.P("sp"),
+            out_specs=ps.P("sp"),
+            check_rep=True,
+        )
+        out["output along dp"] = _message(along, x)
+
+
+IN = (
+    "shard_map in_specs[0] ({spec}): check_rep: inputs must be the same on every rank of the "
+    "mapped axes {axes} (shard_map takes each rank's block itself), but this one differs; pass "
+    "the same value on every rank; global ranks holding equal values: {groups}"
+)
+OUT = (
+    "shard_map out_specs['loss'] (P()): check_rep: P() says this output is the same on every "
+    "rank of axes {axes} but fn returned different values; reduce it inside fn (ps.psum, "
+    "ps.pmean), or give it Partial(...) or a spec that splits it; global ranks holding equal "
+    "values: {groups}"
+)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_run_time_checks(pool: Any, nprocs: int) -> None:
+    per_rank = pool.run(nprocs, _check_worker, nprocs)
+    for mesh in MESHES[nprocs]:
+        key, names = "x".join(map(str, mesh.values())), tuple(mesh)
+        spec = ps.P(_all(mesh))
+        others = ", ".join(map(str, range(nprocs - 1)))
+        for got in per_rank:
+            assert got[f"input {key}"] == IN.format(
+                spec=spec, axes=names, groups=f"[{others}] vs [{nprocs - 1}]"
+            )
+            assert got[f"unchecked {key}"] is None
+            assert got[f"debug {key}"] == IN.format(
+                spec="Replicate()", axes=names, groups=f"[{others}] vs [{nprocs - 1}]"
+            )
+            groups = " vs ".join(f"[{r}]" for r in range(nprocs))
+            assert got[f"output {key}"] == OUT.format(axes=names, groups=groups)
+            sizes = ", ".join(f"rank {r}: ({r + 1}, 2)" for r in range(nprocs))
+            total = nprocs * (nprocs + 1) // 2
+            assert got[f"ragged {key}"].startswith(
+                f"shard_map out_specs[0] ({spec}): the blocks returned on the ranks of axes "
+                f"{names} have shapes ({sizes}), which is not how the spec splits a "
+                f"tensor of shape ({total}, 2) (torch.chunk sizes: rank 0: "
+            )
+            assert got[f"ndims {key}"].startswith(
+                f"shard_map out_specs (Shard(0)): the ranks of axes {names} returned "
+                f"blocks with different numbers of dims (rank 0: (6, 2), rank 1: (2,)"
+            )
+        if len(mesh) == 2:
+            for rank, got in enumerate(per_rank):
+                sp = rank % 2
+                assert got["output along dp"] == (
+                    "shard_map out_specs (P('sp')): check_rep: P('sp') says this output is the "
+                    "same on every rank of axes ('dp',) but fn returned different values; reduce "
+                    "it inside fn (ps.psum, ps.pmean), or give it Partial(...) or a spec that "
+                    f"splits it; global ranks holding equal values: [{sp}] vs [{sp + 2}]"
+                )
+
+
+# --------------------------------------------------------------------------- spec errors
+
+
+@pytest.fixture
+def mesh11() -> Any:
+    mesh = ps.init_mesh({"dp": 1, "sp": 1})
+    with ps.use_mesh(mesh):
+        yield mesh
+
+
+def _raises(exc: type, text: str) -> Any:
+    return pytest.raises(exc, match="^" + re.escape(text) + "$")
+
+
+def test_spec_errors(mesh11: Any) -> None:
+    x = torch.zeros(4, 3)
+    sm = ps.shard_map
+
+    def ident(a: Any) -> Any:
+        return a
+
+    with _raises(
+        ValueError,
+        "shard_map in_specs[0]: the spec is a dict with keys ['a'] but the value is a dict with "
+        "keys ['b'] (missing from the spec: ['b']; not in the value: ['a'])",
+    ):
+        sm(ident, in_specs=({"a": ps.P()},), out_specs=ps.P())({"b": x})
+    with _raises(
+        ValueError,
+        "shard_map out_specs: the spec is a dict with keys ['los'] but the value is a dict with "
+        "keys ['loss'] (missing from the spec: ['loss']; not in the value: ['los'])",
+    ):
+        sm(lambda a: {"loss": a}, in_specs=ps.P(), out_specs={"los": ps.P()})(x)
+    with _raises(
+        ValueError,
+        "shard_map in_specs[0]: P('tp') names mesh axis 'tp', which is not in the mesh (axes "
+        "('dp', 'sp') with sizes (1, 1)); use one of the mapped axes ('dp', 'sp')",
+    ):
+        sm(ident, in_specs=ps.P("tp"), out_specs=ps.P())(x)
+    with _raises(
+        ValueError,
+        "shard_map in_specs[1]['w']: P(None, 'dp') names mesh axis 'dp', which this shard_map "
+        "does not map (axis_names=('sp',)); add 'dp' to axis_names, or leave it out of the spec "
+        "(unmapped axes are left to the caller)",
+    ):
+        sm(
+            lambda a, b: a,
+            in_specs=(None, {"w": ps.P(None, "dp")}),
+            out_specs=ps.P(),
+            axis_names="sp",
+        )(x, {"w": x})
+    with _raises(
+        ValueError,
+        "shard_map out_specs: P('dp') names mesh axis 'dp', which this shard_map does not map "
+        "(axis_names=('sp',)); add 'dp' to axis_names, or leave it out of the spec (unmapped "
+        "axes are left to the caller)",
+    ):
+        sm(ident, in_specs=ps.P(), out_specs=ps.P("dp"), axis_names=("sp",))(x)
+    with _raises(
+        ValueError,
+        "shard_map in_specs[0]: P('sp', None, 'dp') has 3 entries but the tensor has 2 dims "
+        "(shape (4, 3)); give at most one entry per tensor dim",
+    ):
+        sm(ident, in_specs=ps.P("sp", None, "dp"), out_specs=ps.P())(x)
+    with _raises(ValueError, "P('sp', 'sp'): mesh axis 'sp' is used more than once"):
+        ps.P("sp", "sp")
+    with _raises(ValueError, "P(('dp', 'sp'), 'sp'): mesh axis 'sp' is used more than once"):
+        ps.P(("dp", "sp"), "sp")
+    with _raises(
+        ValueError,
+        "shard_map in_specs[0]: Partial('sum') cannot be an input spec: values outside shard_map "
+        "are whole (the same on every rank of the mapped axes), so there is no pending "
+        "reduction; use Replicate() (or None) to give every rank the whole value, or Shard(d) / "
+        "P(...) to split it",
+    ):
+        sm(ident, in_specs=ps.Partial(), out_specs=ps.P())(x)
+    with _raises(
+        ValueError,
+        "shard_map in_specs[0]: Shard(2) but the tensor has 2 dims (shape (4, 3)); did you mean "
+        "Shard(1)?",
+    ):
+        sm(ident, in_specs=ps.Shard(2), out_specs=ps.P())(x)
+    with _raises(
+        ValueError,
+        "shard_map out_specs['n']: Partial('sum') but the value is an int (3), not a tensor; "
+        "only tensors can be reduced over the mapped axes: return a tensor, or give it "
+        "Replicate() or None",
+    ):
+        sm(lambda a: {"n": 3}, in_specs=ps.P(), out_specs={"n": ps.Partial()})(x)
+    with _raises(
+        ValueError,
+        "shard_map: axis_names names 'tp', which is not an axis of the mesh (axes ('dp', 'sp') "
+        "with sizes (1, 1)); use mesh axis names",
+    ):
+        sm(ident, in_specs=ps.P(), out_specs=ps.P(), axis_names="tp")(x)
+
+
+def test_argument_errors(mesh11: Any) -> None:
+    def loss(a: Any) -> Any:
+        return a
+
+    missing = (
+        "shard_map(loss): out_specs is required (spec annotations on the return type are not "
+        "read yet); pass out_specs=..., a prefix tree of loss's output, e.g. ps.P() for an "
+        "output that is the same on every rank or ps.P('sp') for one split along dim 0 over 'sp'"
+    )
+    with _raises(TypeError, missing):
+        ps.shard_map(loss, in_specs=ps.P())
+    with _raises(TypeError, missing):
+        ps.shard_map(in_specs=ps.P())(loss)
+    with _raises(
+        TypeError, "shard_map: axis_names must be a mesh-axis name or a collection of names, got 3"
+    ):
+        ps.shard_map(loss, out_specs=ps.P(), axis_names=3)
+    with _raises(TypeError, "shard_map: mesh must be a DeviceMesh, got a str ('sp')"):
+        ps.shard_map(loss, out_specs=ps.P(), mesh="sp")
+    with _raises(TypeError, "shard_map: fn must be callable, got an int (3)"):
+        ps.shard_map(3, out_specs=ps.P())
+    with _raises(
+        TypeError,
+        "shard_map in_specs[1]: expected a placement (Shard, StridedShard, Replicate, Partial), "
+        "a P(...) or None as the spec, got a str ('sp')",
+    ):
+        ps.shard_map(lambda a, b: a, in_specs=(None, "sp"), out_specs=ps.P())(1, 2)
+
+
+def test_one_rank_is_free(mesh11: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one rank on the mapped axes fn gets the inputs themselves and nothing communicates."""
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("communication with one rank")
+
+    for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "broadcast"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, boom)
+    x, w = torch.randn(5, 3, requires_grad=True), torch.randn(3)
+    seen = []
+
+    def body(x: torch.Tensor, w: torch.Tensor) -> tuple:
+        seen.extend([x, w])
+        return x, (x @ w).sum(), x @ w
+
+    f = ps.shard_map(
+        body,
+        in_specs=(ps.P(("dp", "sp")), None),
+        out_specs=(ps.Shard(0), ps.Partial("mean"), ps.Partial("max")),
+        check_rep=True,
+    )
+    a, b, c = f(x, w)
+    assert seen[0] is x and seen[1] is w and a is x
+    b.backward()
+    _close(x.grad, w.expand(5, 3))
+    assert torch.equal(c, x @ w)
