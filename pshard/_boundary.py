@@ -1,21 +1,21 @@
 """The boundary of a map: moving values between "outside" (one whole value, replicated over the
 mapped mesh axes) and "inside" (each rank's block), differentiably.
 
-Three ``torch.autograd.Function``\\ s, each with ``backward``, ``jvp`` and ``vmap`` rules that call
-the boundary Functions again (never a bare collective), so ``torch.func`` transforms of any order
-compose with them:
+Three ``torch.autograd.Function`` classes, each with ``backward``, ``jvp`` and ``vmap`` rules
+that call the boundary Functions again (never a bare collective), so ``torch.func`` transforms of
+any order compose with them:
 
-- :class:`ToBlock` ``(x, layout, scale)``: this rank's block of a replicated value, times
+- :class:`ToBlock` ``(x, layout, scale, check)``: this rank's block of a replicated value, times
   ``scale`` (no communication). Transpose: :class:`FromBlocks` with ``reduce=True``.
-- :class:`FromBlocks` ``(y, layout, reduce, scale)``: the whole value from every rank's block,
-  all-gathered over the axes that split it (uneven blocks are padded to the largest and trimmed;
-  the sizes are exchanged first when the whole shape is unknown). Over the mapped axes that do
-  not split it the value is either this rank's copy (``reduce=False``: an output claimed to be
-  replicated) or the sum of the copies (``reduce=True``: a ``Partial("sum")`` output, or the
-  transpose of :class:`ToBlock`); then times ``scale``. Transpose: :class:`ToBlock` with the
-  same ``scale`` (``reduce=True``) or ``scale / size`` of the replicated axes (``reduce=False``:
-  JAX's ``check_vma=False`` rule: outside cotangents are replicated, so each copy gets an equal
-  share).
+- :class:`FromBlocks` ``(y, layout, reduce, scale, whole, check)``: the whole value from every
+  rank's block, all-gathered over the axes that split it (uneven blocks are padded to the largest
+  and trimmed; the block sizes are exchanged first when the whole shape ``whole`` is unknown).
+  Over the mapped axes that do not split it the value is either this rank's copy
+  (``reduce=False``: an output claimed to be replicated) or the sum of the copies
+  (``reduce=True``: a ``Partial("sum")`` output, or the transpose of :class:`ToBlock`); then
+  times ``scale``. Transpose: :class:`ToBlock` with the same ``scale`` (``reduce=True``) or
+  ``scale / size`` of the replicated axes (``reduce=False``: JAX's ``check_vma=False`` rule:
+  outside cotangents are replicated, so each copy gets an equal share).
 - :class:`PartialExtreme` ``(y, layout, op)``: ``Partial("max" | "min")``, an all-reduce whose
   transpose gives the replicated cotangent to the ranks holding the extreme, split between ties.
 
@@ -78,7 +78,7 @@ class BlockLayout:
 
     def shifted(self) -> BlockLayout:
         """The layout of the same leaf with a batch dim inserted at the front (for vmap)."""
-        shards = tuple(dataclasses.replace(p, dim=p.dim + 1) for p in self.shards)  # type: ignore[call-arg]
+        shards = tuple(dataclasses.replace(p, dim=p.dim + 1) for p in self.shards)
         return dataclasses.replace(self, shards=shards)
 
 
@@ -130,8 +130,8 @@ def _plan(
         order.extend([*axes, k + d])
         width = math.prod(msizes[j] for j in axes) * pad[d]
         merged.append(width)
-        if not axes:
-            takes.append(None if pad[d] == global_shape[d] else (range(global_shape[d]),))
+        if not axes:  # whole on every rank
+            takes.append(None)
             continue
         # merged position of global index g: flat(coordinate on `axes`) * pad[d] + position
         # within that coordinate's block

@@ -95,7 +95,7 @@ def _layout(spec: Placement | P, ndim: int, where: str, m: _Mesh) -> BlockLayout
     if isinstance(spec, P):
         pairs = [(name, Shard(d)) for name, d in _spec_axes(spec, where, m)]
     elif isinstance(spec, (Shard, StridedShard)):
-        placement = dataclasses.replace(spec, dim=spec.dim % ndim)  # type: ignore[call-arg]
+        placement = dataclasses.replace(spec, dim=spec.dim % ndim)
         pairs = [(name, placement) for name in m.mapped]
     else:
         pairs = []
@@ -162,10 +162,10 @@ def _exit(y: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> Any
     if check and lay.rep is not None:
         guard = (
             lay.rep,
-            f"{_FN} {lay.label}: check_rep: {spec!r} says this output is the same on every rank of "
-            f"axes {m.axes_text(lay.rep.name.split(','))} but fn returned different values; reduce "
-            f"it inside fn "
-            f"(ps.psum, ps.pmean), or give it Partial(...) or a spec that splits it",
+            f"{_FN} {lay.label}: check_rep: {spec!r} says this output is the same on every "
+            f"rank of axes {m.axes_text(lay.rep.name.split(','))} but fn returned different "
+            f"values; reduce it inside fn (ps.psum, ps.pmean), or give it Partial(...) or a "
+            f"spec that splits it",
         )
     return FromBlocks.apply(y, lay, False, 1.0, None, guard)
 

@@ -114,6 +114,13 @@ def _forward_cases(mesh: dict[str, int]) -> list[tuple]:
             (lambda x: x.sum(0), (ps.Shard(0),), ps.Partial("min"), (x,), (5,)),
             (lambda x: x.sum(0), (ps.Shard(0),), ps.Partial("mean"), (x,), (5,)),
             (lambda x: x + 1, (ps.StridedShard(0, 2),), ps.StridedShard(0, 2), (x,), (rows, 5)),
+            (
+                lambda i: i * 2,
+                (ps.Shard(0),),
+                ps.Shard(0),
+                (torch.arange(rows * 2).view(rows, 2),),
+                (rows, 2),
+            ),
         ]
         if len(mesh) == 2:
             cases += [
