@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import zlib
 from typing import Any
 
 import torch
@@ -47,6 +48,10 @@ from ._placements import Placement
 __all__ = ["BlockLayout", "ToBlock", "FromBlocks", "PartialExtreme", "check_replicated"]
 
 _SHAPE_WIDTH = 16  # fixed width of the shape exchange, so ranks disagreeing on ndim are caught
+_DTYPES = (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128,
+    torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,19 +270,33 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_replicated(x: torch.Tensor, c: Comm, message: str) -> None:
-    """Raise ``ValueError(message + which ranks differ)`` on every rank of ``c`` unless ``x`` is
-    the same on all of them (one all-reduce; a small all-gather when it differs)."""
+    """Raise ``ValueError(message + which ranks differ)`` on every rank of ``c`` unless ``x`` has
+    the same shape, dtype and values on all of them (a small all-gather of shapes, dtypes and
+    digests, then one exact all-reduce of the values)."""
     bits = _bits(x)
     n = bits.numel()
+    weights = torch.arange(n, dtype=torch.int64, device=bits.device) * 0x9E3779B1 + 1
+    head = torch.full((3 + max(_SHAPE_WIDTH, x.dim()),), -1, dtype=torch.int64, device=x.device)
+    head[0] = zlib.crc32(str(x.dtype).encode())
+    head[1] = (bits * weights).sum()  # wraps around; only groups ranks for the message
+    head[2] = x.dim()
+    head[3 : 3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    rows = all_gather(head, c, 0, False).tolist()
+    kinds = [(r[0], tuple(r[3 : 3 + r[2]])) for r in rows]
+    if len(set(kinds)) > 1:
+        dtypes = {zlib.crc32(str(t).encode()): str(t).removeprefix("torch.") for t in _DTYPES}
+        held = ", ".join(
+            f"global rank {dist.get_global_rank(c.group, r)}: {shape} "
+            f"{dtypes.get(code, 'another dtype')}"
+            for r, (code, shape) in enumerate(kinds)
+        )
+        raise ValueError(f"{message}; the ranks hold different shapes or dtypes ({held})")
     extremes = all_reduce(torch.cat([bits, ~bits]), c, "pmax")  # max and ~min in one reduction
     if torch.equal(extremes[:n], ~extremes[n:]):
         return
-    weights = torch.arange(n, dtype=torch.int64, device=bits.device) * 0x9E3779B1 + 1
-    digest = (bits * weights).sum().reshape(1)  # wraps around; only groups ranks for the message
-    every = all_gather(digest, c, 0, False).view(-1).tolist()
     groups: dict[int, list[int]] = {}
-    for r, value in enumerate(every):
-        groups.setdefault(value, []).append(dist.get_global_rank(c.group, r))
+    for r, row in enumerate(rows):
+        groups.setdefault(row[1], []).append(dist.get_global_rank(c.group, r))
     held = " vs ".join("[" + ", ".join(map(str, g)) + "]" for g in groups.values())
     raise ValueError(f"{message}; global ranks holding equal values: {held}")
 

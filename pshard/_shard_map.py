@@ -283,7 +283,7 @@ def shard_map(
         check_rep: check at run time (also on in debug mode, :func:`pshard.debug`) that inputs
             and replicated outputs really are equal on every rank of the mapped axes they are
             replicated over; a mismatch raises ``ValueError`` on every rank naming the key path
-            and the ranks. Costs an all-reduce per checked tensor.
+            and the ranks. Costs a small all-gather and an all-reduce per checked tensor.
 
     Returns:
         The mapped function (or a decorator making one).

@@ -466,6 +466,8 @@ def _check_mesh(mesh: dict[str, int], nprocs: int, out: dict[str, str | None]) -
     _close(f(signed), 2 * signed)  # NaN == NaN and -0.0 == 0.0 for the check
     bad = x + (rank == nprocs - 1)
     out[f"input {key}"] = _message(f, bad)
+    out[f"shape {key}"] = _message(f, x[: 6 - (rank == 1)])
+    out[f"dtype {key}"] = _message(f, x.float() if rank == 0 else x)
     unchecked = ps.shard_map(lambda x: 2 * x, in_specs=ps.P(ax), out_specs=ps.P(ax))
     out[f"unchecked {key}"] = _message(unchecked, bad)
     with ps.debug(True):  # debug mode turns the check on
@@ -519,6 +521,15 @@ def test_run_time_checks(pool: Any, nprocs: int) -> None:
                 spec=spec, axes=names, groups=f"[{others}] vs [{nprocs - 1}]"
             )
             assert got[f"unchecked {key}"] is None
+            want = [f"global rank {r}: (6, 2) float64" for r in range(nprocs)]
+            want[1] = "global rank 1: (5, 2) float64"
+            assert got[f"shape {key}"] == IN.format(spec=spec, axes=names, groups="").replace(
+                "; global ranks holding equal values: ",
+                f"; the ranks hold different shapes or dtypes ({', '.join(want)})",
+            )
+            want = [f"global rank {r}: (6, 2) float64" for r in range(nprocs)]
+            want[0] = "global rank 0: (6, 2) float32"
+            assert got[f"dtype {key}"].endswith(f"({', '.join(want)})")
             assert got[f"debug {key}"] == IN.format(
                 spec="Replicate()", axes=names, groups=f"[{others}] vs [{nprocs - 1}]"
             )
