@@ -24,6 +24,7 @@ from ._layout import unshard_tensor as unshard_tensor
 from ._mesh import current_mesh as current_mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import use_mesh as use_mesh
+from ._microbatch import pmap_microbatch as pmap_microbatch
 from ._placements import P as P
 from ._placements import Partial as Partial
 from ._placements import Placement as Placement
@@ -35,6 +36,8 @@ from ._placements import to_torch_placement as to_torch_placement
 from ._shard_map import shard_map as shard_map
 from ._spawn import SpawnError as SpawnError
 from ._spawn import spawn as spawn
+from ._split_merge import merge as merge
+from ._split_merge import split as split
 
 __version__ = "0.1.0"
 
@@ -55,9 +58,11 @@ __all__ = [
     "local_indices",
     "local_shape_and_offset",
     "local_stride",
+    "merge",
     "P",
     "Partial",
     "Placement",
+    "pmap_microbatch",
     "pmax",
     "pmean",
     "pmin",
@@ -70,6 +75,7 @@ __all__ = [
     "shard_tensor",
     "spawn",
     "SpawnError",
+    "split",
     "StridedShard",
     "to_torch_placement",
     "unshard_tensor",
