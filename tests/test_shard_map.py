@@ -238,7 +238,7 @@ def _grad_worker(nprocs: int) -> list[torch.Tensor]:
     grads: list[torch.Tensor] = []
     for mesh in MESHES[nprocs]:
         ps.init_mesh(mesh)
-        for rows in ROWS:
+        for rows in ROWS[:3]:  # the even case is in the forward tests and in _two_axes
             grads.extend(_grad_rows(mesh, rows))
         if len(mesh) == 2:
             grads.extend(_two_axes(mesh))
@@ -286,7 +286,7 @@ def _grad_rows(mesh: dict[str, int], rows: int) -> list[torch.Tensor]:
         return ((x @ w + b).tanh() ** 2).sum() + ((x @ w).sum(0) * v).sum()
 
     same(grad(mixed, argnums=(0, 1, 2))(*args), grad(mixed_ref, argnums=(0, 1, 2))(*args))
-    for reduce in ("mean", "max", "min"):
+    for reduce in ("mean", "max", "min") if rows != 3 else ():
         grads.extend(_grad_partial(mesh, ps.Partial(reduce), x, w, v))
     if rows == 7:
         grads.extend(_transforms(mesh, args, psum_inside, act))
