@@ -25,6 +25,8 @@ Internal interface (what every transform calls):
 - ``default_out_specs(fn, *, transform, required=True) -> spec tree | None``: the spec tree of
   ``fn``'s return annotation; when there is none, ``None`` if not ``required``, else a
   ``TypeError`` naming the transform and the function.
+- ``check_out_annotation(fn, *, transform)``: the same error at decoration time, for transforms
+  whose ``out_specs`` are required (names not defined yet are left to the first call).
 
 What is read of ``fn``: its signature as :func:`inspect.signature` gives it, so
 ``functools.partial`` objects lose their bound arguments, bound methods their ``self``, callable
@@ -64,7 +66,7 @@ from ._placements import P, Placement, Replicate
 from ._specs import _keys as spec_keys
 from ._tree import describe, tree_flatten, tree_leaves
 
-__all__ = ["default_in_specs", "default_out_specs", "specs_of"]
+__all__ = ["check_out_annotation", "default_in_specs", "default_out_specs", "specs_of"]
 
 _REPLICATE = Replicate()
 _NO_SPEC: Any = type("_NoSpec", (), {"__repr__": lambda self: "<no spec>"})()
@@ -609,6 +611,15 @@ def default_in_specs(
             "explicitly (annotations are then not read)"
         ) from None
     return (tuple(in_specs), kw_specs) if annotated else None
+
+
+def check_out_annotation(fn: Callable[..., Any], *, transform: str) -> None:
+    """At decoration, raise :func:`default_out_specs`'s error if ``fn``'s return annotation
+    carries no spec. Names that do not resolve yet (a class defined further down the module)
+    are not an error here, and nothing is cached: the first call reads the annotations."""
+    info = _FnInfo(fn)
+    if info.out_spec is _NO_SPEC and info.out_error is None:
+        raise TypeError(f"{transform}({info.name}): out_specs omitted and {info.out_missing}")
 
 
 def default_out_specs(fn: Callable[..., Any], *, transform: str, required: bool = True) -> Any:

@@ -570,3 +570,122 @@ def test_pmap_annotation_errors():
         ),
     ):
         ps.pmap_microbatch(g, num_microbatches=2)(torch.zeros(4))
+
+
+# --------------------------------------------------------------------------- shard_map
+
+SP = ps.P(None, "sp")
+
+
+@dataclasses.dataclass
+class SeqBatch:
+    x: Annotated[torch.Tensor, SP]  # (batch, seq, dim): the sequence split over "sp"
+    y: torch.Tensor = dataclasses.field(metadata={"pshard": S1})  # the same split
+    scale: float = 1.0
+
+
+def seq_loss_body(w, batch, *, bias=None):
+    """Inside the map: the global mean of squared errors over the sequence blocks."""
+    err = batch.x @ w - batch.y
+    if bias is not None:
+        err = err + bias
+    total = ps.psum((err**2).sum(), "sp")
+    count = ps.psum(torch.tensor(float(err.numel()), dtype=DT), "sp")
+    return batch.scale * total / count, err
+
+
+def seq_loss_annotated(
+    w: torch.Tensor, batch: SeqBatch, *, bias: Annotated[torch.Tensor, S0] = None
+) -> tuple[Annotated[torch.Tensor, ps.P()], Annotated[torch.Tensor, SP]]:
+    return seq_loss_body(w, batch, bias=bias)
+
+
+def seq_loss_reference(w, batch, bias):
+    err = batch.x @ w - batch.y + bias
+    return batch.scale * (err**2).mean(), err
+
+
+def seq_data(seq=8):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, dtype=DT, generator=g)
+    batch = SeqBatch(
+        torch.randn(2, seq, 3, dtype=DT, generator=g), torch.randn(2, seq, dtype=DT, generator=g)
+    )
+    return w, batch, torch.randn(seq, dtype=DT, generator=g)
+
+
+def _shard_map_worker(nprocs):
+    ps.init_mesh({"sp": nprocs})
+    w, batch, bias = seq_data()
+    annotated = ps.shard_map(seq_loss_annotated)
+    explicit = ps.shard_map(
+        seq_loss_body, in_specs=(None, SeqBatch(SP, S1, None)), out_specs=(ps.P(), SP)
+    )
+    out = {}
+    # a keyword argument is split by its parameter's annotation (shard_map has no kw_specs:
+    # without annotations keyword arguments are replicated)
+    out["annotated_bias"] = annotated(w, batch, bias=bias)
+    out["annotated_no_bias"] = annotated(w, batch)
+    out["explicit"] = explicit(w, batch)
+
+    def scalar(f, **kw):
+        return lambda w_, x_: f(w_, SeqBatch(x_, batch.y, batch.scale), **kw)[0]
+
+    out["grad_annotated"] = grad(scalar(annotated), argnums=(0, 1))(w, batch.x)
+    out["grad_explicit"] = grad(scalar(explicit), argnums=(0, 1))(w, batch.x)
+    # explicit in_specs win: replicated inputs, every rank computes the whole loss
+    seen = []
+
+    def spy(w: torch.Tensor, batch: SeqBatch) -> Annotated[torch.Tensor, ps.P()]:
+        seen.append(tuple(batch.x.shape))
+        return (batch.x @ w - batch.y).square().mean()
+
+    out["override"] = ps.shard_map(spy, in_specs=ps.P())(w, batch)
+    out["override_seen"] = seen[-1]
+    ps.shard_map(spy)(w, batch)
+    out["annotated_seen"] = seen[-1]
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_shard_map_annotations_match_explicit(pool, nprocs):
+    w, batch, bias = seq_data()
+    ref_loss, ref_err = seq_loss_reference(w, batch, torch.zeros(()))
+    ref_grads = grad(
+        lambda w_, x_: seq_loss_reference(w_, SeqBatch(x_, batch.y), torch.zeros(()))[0],
+        argnums=(0, 1),
+    )(w, batch.x)
+    for out in pool.run(nprocs, _shard_map_worker, nprocs):
+        close(out["annotated_bias"], seq_loss_reference(w, batch, bias))
+        close(out["annotated_no_bias"], (ref_loss, ref_err))
+        close(out["explicit"], (ref_loss, ref_err))
+        close(out["grad_annotated"], ref_grads)
+        close(out["grad_explicit"], ref_grads)
+        close(out["override"], (batch.x @ w - batch.y).square().mean())
+        assert out["override_seen"] == (2, 8, 3)
+        assert out["annotated_seen"] == (2, 8 // nprocs, 3)
+
+
+def test_shard_map_decoration_errors():
+    def loss(x: Annotated[torch.Tensor, S0]):
+        return x.sum()
+
+    def valued(x: Annotated[torch.Tensor, S0]) -> Annotated[torch.Tensor, ps.P()]:
+        return x.sum()
+
+    with pytest.raises(
+        TypeError,
+        match="^"
+        + re.escape(
+            "shard_map(loss): out_specs omitted and loss has no return annotation; pass "
+            "out_specs=... (a prefix tree of the output) or annotate the return, e.g. "
+            "-> Annotated[torch.Tensor, ps.Replicate()]"
+        )
+        + "$",
+    ):
+        ps.shard_map(loss)
+    with pytest.raises(TypeError, match=re.escape("shard_map(valued): out_specs omitted and")):
+        ps.shard_map()(grad(valued))
+    # given explicitly, nothing is read
+    ps.shard_map(loss, out_specs=ps.P())
+    ps.shard_map(grad(valued), out_specs=S0)

@@ -178,3 +178,18 @@ def test_pmap_microbatch_with_string_annotations():
         torch.testing.assert_close(got, reference)
     value = ps.pmap_microbatch(seq_loss, num_microbatches=3)(params, batch)
     torch.testing.assert_close(value, reference[1])
+
+
+@ps.shard_map
+def later_step(x: Annotated[torch.Tensor, S0]) -> Annotated[DefinedLater, S0]:
+    return 2 * x
+
+
+class DefinedLater:
+    """Named by ``later_step``'s return annotation before it exists: read at the first call."""
+
+
+def test_shard_map_return_annotation_naming_a_later_class():
+    with ps.use_mesh(ps.init_mesh({"sp": 1})):
+        assert torch.equal(later_step(torch.ones(3)), torch.full((3,), 2.0))
+    assert default_out_specs(later_step.__wrapped__, transform="t") == S0
