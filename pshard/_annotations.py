@@ -19,8 +19,9 @@ Internal interface (what every transform calls):
 
 - ``default_in_specs(fn, args, kwargs, *, transform) -> (in_specs, kw_specs) | None``: the spec
   trees of the positional args (a tuple, one entry per argument) and keyword args (a dict) read
-  from ``fn``'s parameter annotations and from :func:`specs_of` of dataclass arguments; ``None``
-  when nothing is annotated (the transform then applies its own default). Call it only for the
+  from ``fn``'s parameter annotations and from :func:`specs_of` of dataclass arguments
+  (``kw_specs`` is ``None`` for a call without keyword arguments); ``None`` when nothing is
+  annotated (the transform then applies its own default). Call it only for the
   specs the caller omitted: explicit specs always win.
 - ``default_out_specs(fn, *, transform, required=True) -> spec tree | None``: the spec tree of
   ``fn``'s return annotation; when there is none, ``None`` if not ``required``, else a
@@ -567,7 +568,8 @@ def default_in_specs(
 
     Returns:
         ``(in_specs, kw_specs)``: a tuple with one spec tree per positional argument and a dict
-        with one per keyword argument; or ``None``.
+        with one per keyword argument (``None`` when there are no keyword arguments, so that
+        callers can skip matching an empty tree); or ``None`` when nothing is annotated.
 
     Raises:
         TypeError: an annotation cannot be resolved or carries conflicting specs; the message
@@ -610,7 +612,7 @@ def default_in_specs(
             f"{transform}({info.name}) {what}: {error}; or pass in_specs and kw_specs "
             "explicitly (annotations are then not read)"
         ) from None
-    return (tuple(in_specs), kw_specs) if annotated else None
+    return (tuple(in_specs), kw_specs or None) if annotated else None
 
 
 def check_out_annotation(fn: Callable[..., Any], *, transform: str) -> None:

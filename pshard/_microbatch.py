@@ -284,7 +284,7 @@ def _resolve_in(specs: Any, leaves: list[Any], treedef: Any, name: str, where: s
 def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> Any:
     where = f"pmap_microbatch({_fn_name(fn)})"
     in_specs, kw_specs = config.in_specs, config.kw_specs
-    if in_specs is None or kw_specs is None:
+    if in_specs is None or (kw_specs is None and kwargs):
         annotated = default_in_specs(fn, args, kwargs, transform="pmap_microbatch")
         if annotated is not None:
             in_specs = annotated[0] if in_specs is None else in_specs

@@ -297,7 +297,7 @@ def test_reader_partial_method_callable_and_wrappers():
 
     x = torch.zeros(4, 2)
     bound = functools.partial(f, x)
-    assert default_in_specs(bound, (x, x), {}, transform="t") == ((S0, S1), {})
+    assert default_in_specs(bound, (x, x), {}, transform="t") == ((S0, S1), None)
     assert default_out_specs(bound, transform="t") == MEAN
     by_keyword = functools.partial(f, y=x)
     assert default_in_specs(by_keyword, (x, x), {"y": x}, transform="t") == ((R, S0), {"y": S1})
@@ -310,15 +310,15 @@ def test_reader_partial_method_callable_and_wrappers():
             raise NotImplementedError
 
     model = Model()
-    assert default_in_specs(model.step, (x,), {}, transform="t") == ((S1,), {})
+    assert default_in_specs(model.step, (x,), {}, transform="t") == ((S1,), None)
     assert default_out_specs(model.step, transform="t") == S1
-    assert default_in_specs(model, (x,), {}, transform="t") == ((S0,), {})
+    assert default_in_specs(model, (x,), {}, transform="t") == ((S0,), None)
     assert default_out_specs(model, transform="t") == R
 
     # torch.func.grad(f) takes f's arguments but returns something else: its parameters are
     # read through __wrapped__, its return is not
     for wrapper in (grad(f, argnums=1), grad_and_value(f, argnums=1)):
-        assert default_in_specs(wrapper, (x, x, x), {}, transform="t") == ((R, S0, S1), {})
+        assert default_in_specs(wrapper, (x, x, x), {}, transform="t") == ((R, S0, S1), None)
         assert default_out_specs(wrapper, transform="t", required=False) is None
     with pytest.raises(
         TypeError,
@@ -391,7 +391,7 @@ def test_reader_is_cached_per_function_and_keeps_nothing_alive(monkeypatch):
     monkeypatch.setattr(_annotations._FnInfo, "__init__", counting)
     x = torch.zeros(3)
     for _ in range(3):
-        assert default_in_specs(f, (x,), {}, transform="t") == ((S0,), {})
+        assert default_in_specs(f, (x,), {}, transform="t") == ((S0,), None)
         assert default_out_specs(f, transform="t") == S0
     assert reads == [f]
     reads.clear()
@@ -421,7 +421,7 @@ def test_reader_class_specs_cached_per_class(monkeypatch):
     for n in range(3):
         assert default_in_specs(f, (Local(torch.zeros(n + 1)),), {}, transform="t") == (
             (Local(S0),),
-            {},
+            None,
         )
     assert calls == [Local]
 

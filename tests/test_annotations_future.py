@@ -70,7 +70,7 @@ def test_string_annotations_resolve():
     assert ps.specs_of(make_batch()) == Batch(tokens, [tokens, tokens], S0, Later(S0))
     batch = make_batch()
     in_specs, kw_specs = default_in_specs(step, ({}, batch), {}, transform="t")
-    assert in_specs == (R, ps.specs_of(batch)) and kw_specs == {}
+    assert in_specs == (R, ps.specs_of(batch)) and kw_specs is None
     assert default_out_specs(step, transform="t") == (ps.Partial("mean"), S1)
 
 
