@@ -380,9 +380,10 @@ def specs_of(tree: Any) -> Any:
         >>> batch = Batch(torch.zeros(2, 8), torch.zeros(2, 8), 16)
         >>> ps.specs_of(batch)
         Batch(input_ids=Shard(1), labels=Shard(1), num_tokens=Replicate())
-        >>> ps.specs_of({"batches": [batch], "lr": 0.1})
-        {'batches': [Batch(input_ids=Shard(1), labels=Shard(1), num_tokens=Replicate())], 'lr': Replicate()}
-    """  # noqa: E501
+        >>> ps.specs_of({"lr": 0.1, "batches": [batch]})  # doctest: +NORMALIZE_WHITESPACE
+        {'lr': Replicate(),
+         'batches': [Batch(input_ids=Shard(1), labels=Shard(1), num_tokens=Replicate())]}
+    """
     try:
         return _value_specs(tree, True)[0]
     except AnnotationError as error:

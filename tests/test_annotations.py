@@ -6,9 +6,13 @@ This module's annotations are objects (no ``from __future__ import annotations``
 annotations are tested in ``test_annotations_future.py``.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import gc
+import io
+import pathlib
 import re
 import weakref
 from typing import Annotated, Optional
@@ -689,3 +693,32 @@ def test_shard_map_decoration_errors():
     # given explicitly, nothing is read
     ps.shard_map(loss, out_specs=ps.P())
     ps.shard_map(grad(valued), out_specs=S0)
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_docs_worked_example_runs():
+    """The python blocks of docs/annotations.md run in order, and print what they say."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "annotations.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 4
+    expected = []
+    for block in blocks:
+        lines = block.splitlines()
+        expected += [
+            nxt[2:]
+            for line, nxt in zip(lines, lines[1:], strict=False)
+            if line.startswith("print(")
+        ]
+    assert len(expected) == 2
+    namespace = {"__name__": "docs_annotations"}
+    out = io.StringIO()
+
+    def run():
+        with contextlib.redirect_stdout(out):
+            for block in blocks:
+                exec(compile(block, "docs/annotations.md", "exec"), namespace)
+
+    contextvars.copy_context().run(run)  # the example's mesh does not outlive it
+    assert out.getvalue().splitlines() == expected
