@@ -1,0 +1,11 @@
+"""Sequence parallelism: one sequence split over the ranks of a mesh axis.
+
+Private modules, one concept each (the public names are re-exported by ``pshard``):
+
+- ``_layouts``: padding and the token permutations (``"contiguous"``, ``"zigzag"``,
+  ``"stripe"``); pure index math.
+- ``_heads``: the Ulysses all-to-alls between sequence-sharded and head-sharded tensors
+  (``seq_to_heads`` / ``heads_to_seq``).
+- ``_lm``: causal-LM batches and losses (``prepare_lm_batch``, ``token_mean_loss``).
+- ``_broadcast``: every rank's batch in turn to the whole axis (``broadcast_batches``).
+"""
