@@ -34,6 +34,8 @@ from ._placements import from_torch_placement as from_torch_placement
 from ._placements import to_torch_placement as to_torch_placement
 from ._spawn import SpawnError as SpawnError
 from ._spawn import spawn as spawn
+from .sequence._heads import heads_to_seq as heads_to_seq
+from .sequence._heads import seq_to_heads as seq_to_heads
 
 __version__ = "0.1.0"
 
@@ -49,6 +51,7 @@ __all__ = [
     "explicit_order",
     "from_torch_placement",
     "global_shape_and_stride",
+    "heads_to_seq",
     "infer_out_specs",
     "init_mesh",
     "local_indices",
@@ -64,6 +67,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "Replicate",
+    "seq_to_heads",
     "Shard",
     "shard_tensor",
     "spawn",
