@@ -36,6 +36,8 @@ from ._spawn import SpawnError as SpawnError
 from ._spawn import spawn as spawn
 from .sequence._heads import heads_to_seq as heads_to_seq
 from .sequence._heads import seq_to_heads as seq_to_heads
+from .sequence._lm import prepare_lm_batch as prepare_lm_batch
+from .sequence._lm import token_mean_loss as token_mean_loss
 
 __version__ = "0.1.0"
 
@@ -64,6 +66,7 @@ __all__ = [
     "pmean",
     "pmin",
     "ppermute",
+    "prepare_lm_batch",
     "psum",
     "psum_scatter",
     "Replicate",
@@ -74,6 +77,7 @@ __all__ = [
     "SpawnError",
     "StridedShard",
     "to_torch_placement",
+    "token_mean_loss",
     "unshard_tensor",
     "use_mesh",
 ]
