@@ -34,6 +34,7 @@ from ._placements import from_torch_placement as from_torch_placement
 from ._placements import to_torch_placement as to_torch_placement
 from ._spawn import SpawnError as SpawnError
 from ._spawn import spawn as spawn
+from .sequence._broadcast import broadcast_batches as broadcast_batches
 from .sequence._heads import heads_to_seq as heads_to_seq
 from .sequence._heads import seq_to_heads as seq_to_heads
 from .sequence._lm import prepare_lm_batch as prepare_lm_batch
@@ -47,6 +48,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "broadcast",
+    "broadcast_batches",
     "current_mesh",
     "debug",
     "debug_enabled",
