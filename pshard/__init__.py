@@ -35,10 +35,12 @@ from ._placements import to_torch_placement as to_torch_placement
 from ._spawn import SpawnError as SpawnError
 from ._spawn import spawn as spawn
 from .sequence._broadcast import broadcast_batches as broadcast_batches
+from .sequence._context import seq_positions as seq_positions
 from .sequence._heads import heads_to_seq as heads_to_seq
 from .sequence._heads import seq_to_heads as seq_to_heads
 from .sequence._lm import prepare_lm_batch as prepare_lm_batch
 from .sequence._lm import token_mean_loss as token_mean_loss
+from .sequence._ulysses import ulysses_attention as ulysses_attention
 
 __version__ = "0.1.0"
 
@@ -72,6 +74,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "Replicate",
+    "seq_positions",
     "seq_to_heads",
     "Shard",
     "shard_tensor",
@@ -80,6 +83,7 @@ __all__ = [
     "StridedShard",
     "to_torch_placement",
     "token_mean_loss",
+    "ulysses_attention",
     "unshard_tensor",
     "use_mesh",
 ]
