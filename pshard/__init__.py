@@ -24,6 +24,7 @@ from ._layout import unshard_tensor as unshard_tensor
 from ._mesh import current_mesh as current_mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import use_mesh as use_mesh
+from ._microbatch import pmap_microbatch as pmap_microbatch
 from ._placements import P as P
 from ._placements import Partial as Partial
 from ._placements import Placement as Placement
@@ -34,6 +35,8 @@ from ._placements import from_torch_placement as from_torch_placement
 from ._placements import to_torch_placement as to_torch_placement
 from ._spawn import SpawnError as SpawnError
 from ._spawn import spawn as spawn
+from ._split_merge import merge as merge
+from ._split_merge import split as split
 from .sequence._broadcast import broadcast_batches as broadcast_batches
 from .sequence._context import seq_positions as seq_positions
 from .sequence._heads import heads_to_seq as heads_to_seq
@@ -63,9 +66,11 @@ __all__ = [
     "local_indices",
     "local_shape_and_offset",
     "local_stride",
+    "merge",
     "P",
     "Partial",
     "Placement",
+    "pmap_microbatch",
     "pmax",
     "pmean",
     "pmin",
@@ -80,6 +85,7 @@ __all__ = [
     "shard_tensor",
     "spawn",
     "SpawnError",
+    "split",
     "StridedShard",
     "to_torch_placement",
     "token_mean_loss",
