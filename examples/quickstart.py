@@ -7,7 +7,8 @@ Runs on a laptop CPU:
 
 It prints where each rank's block of an unevenly sharded tensor lives (the same answer as
 DTensor), then spawns ``--nprocs`` processes that compute a data-parallel least-squares gradient
-with ``torch.func.grad`` through ``ps.psum`` and checks it against the single-process gradient.
+with ``torch.func.grad`` of a ``ps.shard_map``'d loss and checks it against the single-process
+gradient.
 """
 
 from __future__ import annotations
@@ -29,24 +30,22 @@ def show_layout(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], plac
         print(f"  {coord!s:<12}{shape!s:<14}{offset!s:<10}{[list(r) for r in rows]}")
 
 
-def loss(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, n_total: int) -> torch.Tensor:
-    """Mean squared error over the whole batch: local sum, then psum over the data axis."""
-    local = ((x @ w - y) ** 2).sum()
-    return ps.psum(local, "dp") / n_total
+def local_loss(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Inside shard_map: this rank's rows; psum makes the mean over the whole batch."""
+    sq = ((x @ w - y) ** 2).sum()
+    return ps.psum(sq, "dp") / ps.psum(torch.tensor(x.shape[0], dtype=sq.dtype), "dp")
 
 
 def rank_main(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[float, torch.Tensor]:
-    mesh = ps.init_mesh({"dp": torch.distributed.get_world_size()})
-    rank = mesh.get_local_rank("dp")
-    coord = (rank,)
-    # This rank's rows of the batch (torch.chunk's rule, the same as DTensor's Shard(0)).
-    x_local = ps.shard_tensor(x, (mesh.size(),), coord, [ps.Shard(0)])
-    y_local = ps.shard_tensor(y, (mesh.size(),), coord, [ps.Shard(0)])
-    value, grad = torch.func.grad_and_value(loss)(w, x_local, y_local, x.shape[0])[::-1]
-    # Each rank holds its own copy of w, and grad differentiates the sum of every rank's (equal)
-    # loss with respect to this rank's copy. The gradient of the loss with respect to the one
-    # shared w is the sum over the copies, divided by the number of copies.
-    return float(value), ps.psum(grad, "dp") / mesh.size()
+    ps.init_mesh({"dp": torch.distributed.get_world_size()})
+    # w replicated, the rows of x and y split over "dp" (torch.chunk's rule, as DTensor's
+    # Shard(0)); the loss comes back replicated. The gradient of the mapped function is the
+    # single-process gradient, the same on every rank: no manual all-reduce, no 1/N factor.
+    loss = ps.shard_map(
+        local_loss, in_specs=(None, ps.Shard(0), ps.Shard(0)), out_specs=ps.Replicate()
+    )
+    grad, value = torch.func.grad_and_value(loss)(w, x, y)
+    return float(value), grad
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from ._placements import Shard as Shard
 from ._placements import StridedShard as StridedShard
 from ._placements import from_torch_placement as from_torch_placement
 from ._placements import to_torch_placement as to_torch_placement
+from ._shard_map import shard_map as shard_map
 from ._spawn import SpawnError as SpawnError
 from ._spawn import spawn as spawn
 from ._split_merge import merge as merge
@@ -82,6 +83,7 @@ __all__ = [
     "seq_positions",
     "seq_to_heads",
     "Shard",
+    "shard_map",
     "shard_tensor",
     "spawn",
     "SpawnError",

@@ -1,0 +1,360 @@
+"""``shard_map``: run a per-block function on every rank, with values outside the map whole.
+
+The map's boundary ops live in :mod:`pshard._boundary`; this module turns specs into layouts,
+checks them, and wires the boundary around the user's function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, overload
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._boundary import BlockLayout, FromBlocks, PartialExtreme, ToBlock
+from ._comm import Comm
+from ._debug import debug_enabled
+from ._mesh import current_mesh, resolve_axis, use_mesh
+from ._placements import P, Partial, Placement, Replicate, Shard, StridedShard
+from ._specs import resolve_specs
+from ._tree import describe, keystr, tree_flatten_with_path, tree_unflatten
+
+__all__ = ["shard_map"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_FN = "shard_map"
+
+
+class _Mesh:
+    """The mesh as one call of a mapped function sees it: sizes, this rank's coordinates, the
+    mapped axes (mesh order) and the process groups of axis subsets, resolved once per call."""
+
+    def __init__(self, mesh: DeviceMesh, axis_names: tuple[str, ...] | None) -> None:
+        self.mesh = mesh
+        self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or ())
+        self.sizes = {n: mesh.size(i) for i, n in enumerate(self.names)}
+        if axis_names is None:
+            self.mapped = self.names
+        else:
+            for name in axis_names:
+                if name not in self.sizes:
+                    raise ValueError(
+                        f"{_FN}: axis_names names {name!r}, which is not an axis of the mesh "
+                        f"(axes {self.names} with sizes {tuple(mesh.shape)}); use mesh axis names"
+                    )
+            self.mapped = tuple(n for n in self.names if n in axis_names)
+        self.coord = {n: mesh.get_local_rank(n) for n in self.mapped if self.sizes[n] > 1}
+        self.debug = debug_enabled()
+        self._comms: dict[tuple[str, ...], Comm | None] = {}
+        self.all = self.comm(self.mapped)
+
+    def comm(self, axes: Iterable[str]) -> Comm | None:
+        """The group over ``axes`` (put in mesh order; size-1 axes dropped); None for size 1."""
+        wanted = set(axes)
+        key = tuple(n for n in self.mapped if n in wanted and self.sizes[n] > 1)
+        if key not in self._comms:
+            if not key:
+                self._comms[key] = None
+            else:
+                info = resolve_axis(key, mesh=self.mesh, fn=_FN)
+                self._comms[key] = Comm(info.group, info.size, info.rank, info.name, self.debug)
+        return self._comms[key]
+
+    @staticmethod
+    def axes_text(axes: Iterable[str]) -> str:
+        return repr(tuple(axes))
+
+
+def _spec_axes(spec: P, where: str, m: _Mesh) -> list[tuple[str, int]]:
+    """``(axis, tensor dim)`` for each axis a ``P`` names, checked against the mesh."""
+    out = []
+    for d, entry in enumerate(spec):
+        for name in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+            if name not in m.sizes:
+                raise ValueError(
+                    f"{_FN} {where}: {spec!r} names mesh axis {name!r}, which is not in the mesh "
+                    f"(axes {m.names} with sizes {tuple(m.mesh.shape)}); use one of the mapped "
+                    f"axes {m.mapped}"
+                )
+            if name not in m.mapped:
+                raise ValueError(
+                    f"{_FN} {where}: {spec!r} names mesh axis {name!r}, which this shard_map does "
+                    f"not map (axis_names={m.mapped}); add {name!r} to axis_names, or leave it "
+                    f"out of the spec (unmapped axes are left to the caller)"
+                )
+            out.append((name, d))
+    return out
+
+
+def _layout(spec: Placement | P, ndim: int, where: str, m: _Mesh) -> BlockLayout:
+    """The layout of one leaf under ``spec`` (not ``Partial``)."""
+    pairs: list[tuple[str, Placement]]
+    if isinstance(spec, P):
+        pairs = [(name, Shard(d)) for name, d in _spec_axes(spec, where, m)]
+    elif isinstance(spec, (Shard, StridedShard)):
+        placement = dataclasses.replace(spec, dim=spec.dim % ndim)
+        pairs = [(name, placement) for name in m.mapped]
+    else:
+        pairs = []
+    pairs = [(name, p) for name, p in pairs if m.sizes[name] > 1]
+    split = [n for n in m.mapped if any(n == name for name, _ in pairs)]
+    return BlockLayout(
+        shards=tuple(p for _, p in pairs),
+        sizes=tuple(m.sizes[name] for name, _ in pairs),
+        coord=tuple(m.coord[name] for name, _ in pairs),
+        perm=tuple(split.index(name) for name, _ in pairs),
+        gather=m.comm(split),
+        rep=m.comm(n for n in m.mapped if n not in split),
+        label=f"{where} ({spec!r})",
+    )
+
+
+def _enter(x: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> Any:
+    """This rank's block of the input leaf ``x``."""
+    if isinstance(spec, Partial):
+        raise ValueError(
+            f"{_FN} {where}: {spec!r} cannot be an input spec: values outside shard_map are "
+            f"whole (the same on every rank of the mapped axes), so there is no pending "
+            f"reduction; use Replicate() (or None) to give every rank the whole value, or "
+            f"Shard(d) / P(...) to split it"
+        )
+    if not isinstance(x, torch.Tensor):
+        return x
+    lay = _layout(spec, x.ndim, where, m)
+    if m.all is None:
+        return x
+    guard = None
+    if check:
+        guard = (
+            m.all,
+            f"{_FN} {lay.label}: check_rep: inputs must be the same on every rank of the "
+            f"mapped axes {m.axes_text(m.mapped)} (shard_map takes each rank's block itself), "
+            f"but this one differs; pass the same value on every rank",
+        )
+    return ToBlock.apply(x, lay, 1.0, guard)
+
+
+def _exit(y: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> Any:
+    """The whole output leaf from every rank's block ``y``."""
+    if not isinstance(y, torch.Tensor):
+        if isinstance(spec, Partial):
+            raise ValueError(
+                f"{_FN} {where}: {spec!r} but the value is {describe(y)}, not a tensor; only "
+                f"tensors can be reduced over the mapped axes: return a tensor, or give it "
+                f"Replicate() or None"
+            )
+        return y
+    if isinstance(spec, Partial):
+        if m.all is None:
+            return y
+        lay = BlockLayout(rep=m.all, label=f"{where} ({spec!r})")
+        if spec.reduce in ("max", "min"):
+            return PartialExtreme.apply(y, lay, "p" + spec.reduce)
+        scale = 1.0 if spec.reduce == "sum" else 1.0 / m.all.size
+        return FromBlocks.apply(y, lay, True, scale, None, None)
+    lay = _layout(spec, y.ndim, where, m)
+    if lay.gather is None and lay.rep is None:
+        return y
+    guard = None
+    if check and lay.rep is not None:
+        guard = (
+            lay.rep,
+            f"{_FN} {lay.label}: check_rep: {spec!r} says this output is the same on every "
+            f"rank of axes {m.axes_text(lay.rep.name.split(','))} but fn returned different "
+            f"values; reduce it inside fn (ps.psum, ps.pmean), or give it Partial(...) or a "
+            f"spec that splits it",
+        )
+    return FromBlocks.apply(y, lay, False, 1.0, None, guard)
+
+
+def _tensor(x: Any, spec: Placement | P) -> bool:
+    """Whether a leaf needs :func:`_enter` / :func:`_exit` (the rest passes through)."""
+    return isinstance(x, torch.Tensor) or isinstance(spec, Partial)
+
+
+def _axis_names(axis_names: Any) -> tuple[str, ...] | None:
+    if axis_names is None:
+        return None
+    names = (axis_names,) if isinstance(axis_names, str) else axis_names
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"{_FN}: axis_names must be a mesh-axis name or a collection of names, got "
+            f"{axis_names!r}"
+        )
+    return names
+
+
+@overload
+def shard_map(
+    fn: None = None,
+    /,
+    *,
+    mesh: DeviceMesh | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    axis_names: str | Iterable[str] | None = None,
+    check_rep: bool = False,
+) -> Callable[[F], F]: ...
+
+
+@overload
+def shard_map(
+    fn: F,
+    /,
+    *,
+    mesh: DeviceMesh | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    axis_names: str | Iterable[str] | None = None,
+    check_rep: bool = False,
+) -> F: ...
+
+
+def shard_map(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    mesh: DeviceMesh | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    axis_names: str | Iterable[str] | None = None,
+    check_rep: bool = False,
+) -> Any:
+    """Map ``fn`` over blocks of its inputs, one block per rank, and assemble its outputs.
+
+    Outside the map every value is whole, the same on every rank of the mapped axes. Inside,
+    ``fn`` sees this rank's block of each input and may talk to the other ranks with pshard's
+    collectives (``ps.psum(x, "sp")``: axis names resolve in ``mesh``). Its outputs are put back
+    together on every rank. In pseudo-code, for mapped axes of total size ``N``::
+
+        def shard_map(fn)(*args):
+            for rank in range(N):                          # all at once, one per process
+                blocks[rank] = fn(*(block(a, spec, rank) for a, spec in zip(args, in_specs)))
+            return assemble(blocks, out_specs)             # the same on every rank
+
+    Specs (``in_specs`` a prefix tree of the positional args, ``out_specs`` of the output):
+
+    - ``P(...)``: one entry per tensor dim, each ``None``, a mapped axis name, or a tuple of
+      them (that dim is split over their product, the first the slowest); mapped axes not
+      named hold the whole dim (replicated).
+    - ``Shard(d)``: dim ``d`` split over every mapped axis, in mesh order (``P`` with all mapped
+      axes on dim ``d``); ``StridedShard(d, k)`` is DTensor's strided split on every mapped axis.
+    - ``Replicate()`` or ``None``: the whole value on every rank.
+    - ``Partial(reduce)`` (outputs only): the output is ``reduce`` (``"sum"``, ``"mean"``,
+      ``"max"``, ``"min"``) over the mapped axes of the ranks' values. As an input spec it is an
+      error: outside values are whole, so nothing is pending.
+
+    Uneven splits follow ``torch.chunk`` (DTensor's layout: the blocks are
+    ``ps.shard_tensor(x, sizes, coordinate, placements)``); split outputs may be uneven too, their
+    blocks' sizes are exchanged before the gather. Non-tensor leaves pass through unchanged
+    (only ``Replicate``/``None`` specs). Keyword arguments are passed whole (replicated).
+
+    Gradients (JAX's convention, ``check_vma=False``): outside the map values *and cotangents*
+    are replicated over the mapped axes. Splitting an input transposes to an all-gather of the
+    blocks' cotangents (summed over the mapped axes its spec does not name); a replicated
+    input's cotangent is summed over the mapped axes; a split output's cotangent is sliced; a
+    ``Partial("sum")`` output passes its cotangent on as is (``"mean"`` divides it by ``N``,
+    ``"max"``/``"min"`` give it to the ranks holding the extreme); a replicated output's
+    cotangent is divided by the size of the axes it is replicated over before ``fn``'s own
+    transposes run (so ``ps.psum`` inside, transposed to ``psum``, restores it). Hence
+    ``torch.func.grad(shard_map(f))`` equals the single-process gradient, identical on every
+    rank, and ``vjp``, ``jvp``, ``vmap`` (over the whole map) and ``.backward()`` work through it.
+
+    With one rank on the mapped axes the map is free: ``fn`` runs on the inputs themselves.
+
+    Args:
+        fn: the per-block function (positional-only). Omit it to use ``shard_map`` as a
+            decorator.
+        mesh: the device mesh; default :func:`pshard.current_mesh` at call time. It is the
+            current mesh while ``fn`` runs.
+        in_specs: a prefix tree of the positional arguments (a single spec applies to all);
+            ``None`` replicates every input.
+        out_specs: a prefix tree of ``fn``'s output. Required.
+        axis_names: the mesh axes to map (a name or a collection); default all. Other axes are
+            left to the caller: values may differ along them and ``fn`` may use them itself
+            (e.g. a data-parallel ``"dp"`` axis around a sequence-parallel map over ``"sp"``).
+        check_rep: check at run time (also on in debug mode, :func:`pshard.debug`) that inputs
+            and replicated outputs really are equal on every rank of the mapped axes they are
+            replicated over; a mismatch raises ``ValueError`` on every rank naming the key path
+            and the ranks. Costs a small all-gather and an all-reduce per checked tensor.
+
+    Returns:
+        The mapped function (or a decorator making one).
+
+    Raises:
+        TypeError: ``out_specs`` is missing, or a spec is not a placement, ``P`` or ``None``.
+        ValueError: a spec tree is not a prefix of the value, a ``P`` names an axis that is not
+            mapped, a spec does not fit its tensor, a ``Partial`` input spec, or a ``check_rep``
+            mismatch; messages name the key path (``in_specs[0]['x']``).
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> @ps.shard_map(in_specs=ps.P("sp"), out_specs=ps.P())
+        ... def column_sums(x):
+        ...     return ps.psum(x.sum(0), "sp")
+        >>> column_sums(torch.arange(6.0).reshape(3, 2))
+        tensor([6., 9.])
+        >>> ps.shard_map(lambda x: 2 * x, in_specs=ps.Shard(0), out_specs=ps.Shard(0))(
+        ...     torch.ones(3))
+        tensor([2., 2., 2.])
+    """
+    names = _axis_names(axis_names)
+    if fn is None:
+        return functools.partial(
+            shard_map,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=names,
+            check_rep=check_rep,
+        )
+    if not callable(fn):
+        raise TypeError(f"{_FN}: fn must be callable, got {describe(fn)}")
+    fn_name = getattr(fn, "__name__", type(fn).__name__)
+    if out_specs is None:
+        raise TypeError(
+            f"{_FN}({fn_name}): out_specs is required (spec annotations on the return type are "
+            f"not read yet); pass out_specs=..., a prefix tree of {fn_name}'s output, e.g. "
+            f"ps.P() for an output that is the same on every rank or ps.P('sp') for one split "
+            f"along dim 0 over 'sp'"
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{_FN}: mesh must be a DeviceMesh, got {describe(mesh)}")
+
+    @functools.wraps(fn)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        m = _Mesh(current_mesh() if mesh is None else mesh, names)
+        check = bool(check_rep) or m.debug
+        paths, leaves, treedef = tree_flatten_with_path(args)
+        specs = resolve_specs(in_specs, leaves, treedef, name="in_specs", fn_name=_FN)
+        inner = [
+            _enter(x, s, keystr(path, "in_specs"), m, check) if _tensor(x, s) else x
+            for path, x, s in zip(paths, leaves, specs, strict=True)
+        ]
+        kw_paths, kw_leaves, kw_def = tree_flatten_with_path(kwargs)
+        replicate = Replicate()
+        kw_inner = [
+            _enter(x, replicate, keystr(path, "kwargs"), m, check) if _tensor(x, replicate) else x
+            for path, x in zip(kw_paths, kw_leaves, strict=True)
+        ]
+        with use_mesh(m.mesh):
+            out = fn(*tree_unflatten(treedef, inner), **tree_unflatten(kw_def, kw_inner))
+        out_paths, out_leaves, out_def = tree_flatten_with_path(out)
+        out_specs_flat = resolve_specs(
+            out_specs, out_leaves, out_def, name="out_specs", fn_name=_FN
+        )
+        outer = [
+            _exit(y, s, keystr(path, "out_specs"), m, check) if _tensor(y, s) else y
+            for path, y, s in zip(out_paths, out_leaves, out_specs_flat, strict=True)
+        ]
+        return tree_unflatten(out_def, outer)
+
+    return mapped
