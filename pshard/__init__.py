@@ -44,6 +44,7 @@ from .sequence._heads import heads_to_seq as heads_to_seq
 from .sequence._heads import seq_to_heads as seq_to_heads
 from .sequence._lm import prepare_lm_batch as prepare_lm_batch
 from .sequence._lm import token_mean_loss as token_mean_loss
+from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
 from .sequence._ulysses import ulysses_attention as ulysses_attention
 
 __version__ = "0.1.0"
@@ -84,6 +85,7 @@ __all__ = [
     "seq_to_heads",
     "Shard",
     "shard_map",
+    "shard_map_seq",
     "shard_tensor",
     "spawn",
     "SpawnError",

@@ -110,11 +110,12 @@ def seq_positions(axis: Axis | None = None) -> torch.Tensor:
 
     Example:
         >>> import torch, pshard as ps
-        >>> from pshard.sequence._layouts import SeqLayout
-        >>> ctx = SeqContext(("sp",), SeqLayout("zigzag", 7, 2), 0, torch.device("cpu"))
-        >>> with sequence_context(ctx):
-        ...     ps.seq_positions()
-        tensor([0, 1, 6, 7])
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> @ps.shard_map_seq(in_specs=ps.Shard(1), out_specs=ps.Shard(1), layout="zigzag")
+        ... def where(x):
+        ...     return x + 100 * ps.seq_positions()
+        >>> where(torch.zeros(1, 3, dtype=torch.long))
+        tensor([[  0, 100, 200]])
     """
     ctx = find_context(axis)
     if ctx is None:
