@@ -42,6 +42,9 @@ from .sequence._broadcast import broadcast_batches as broadcast_batches
 from .sequence._context import seq_positions as seq_positions
 from .sequence._heads import heads_to_seq as heads_to_seq
 from .sequence._heads import seq_to_heads as seq_to_heads
+from .sequence._hooks import SequenceParallel as SequenceParallel
+from .sequence._hooks import reduce_gradients as reduce_gradients
+from .sequence._hooks import sequence_parallel as sequence_parallel
 from .sequence._lm import prepare_lm_batch as prepare_lm_batch
 from .sequence._lm import token_mean_loss as token_mean_loss
 from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
@@ -80,9 +83,12 @@ __all__ = [
     "prepare_lm_batch",
     "psum",
     "psum_scatter",
+    "reduce_gradients",
     "Replicate",
     "seq_positions",
     "seq_to_heads",
+    "sequence_parallel",
+    "SequenceParallel",
     "Shard",
     "shard_map",
     "shard_map_seq",
