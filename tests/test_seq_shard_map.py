@@ -49,7 +49,11 @@ def _microbatch_worker() -> dict:
         layout="stripe",
     )
     ys = torch.func.vmap(double)(xs)
+    # an empty sequence: every token is padding on every rank; loss 0, gradients 0, no NaN
+    empty_grad, empty_value = torch.func.grad_and_value(loss)(params, make_batch(1, 0, seed=0))
     return {
+        "empty": empty_value.item() == 0.0
+        and all(torch.equal(g, torch.zeros_like(g)) for g in tree_leaves(empty_grad)),
         "value": torch.allclose(value, ref_value, rtol=1e-12, atol=0),
         "grad": close,
         "vmap": torch.allclose(ys, 2 * xs * (1 + torch.arange(5.0, dtype=torch.float64))),
@@ -57,7 +61,8 @@ def _microbatch_worker() -> dict:
 
 
 def test_pmap_microbatch_and_vmap_around(pool) -> None:
-    assert pool.run(2, _microbatch_worker) == [{"value": True, "grad": True, "vmap": True}] * 2
+    got = pool.run(2, _microbatch_worker)
+    assert got == [{"empty": True, "value": True, "grad": True, "vmap": True}] * 2
 
 
 def _nested_worker() -> list:
