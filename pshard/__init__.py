@@ -39,6 +39,17 @@ from ._spawn import SpawnError as SpawnError
 from ._spawn import spawn as spawn
 from ._split_merge import merge as merge
 from ._split_merge import split as split
+from .sequence._broadcast import broadcast_batches as broadcast_batches
+from .sequence._context import seq_positions as seq_positions
+from .sequence._heads import heads_to_seq as heads_to_seq
+from .sequence._heads import seq_to_heads as seq_to_heads
+from .sequence._hooks import SequenceParallel as SequenceParallel
+from .sequence._hooks import reduce_gradients as reduce_gradients
+from .sequence._hooks import sequence_parallel as sequence_parallel
+from .sequence._lm import prepare_lm_batch as prepare_lm_batch
+from .sequence._lm import token_mean_loss as token_mean_loss
+from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
+from .sequence._ulysses import ulysses_attention as ulysses_attention
 
 __version__ = "0.1.0"
 
@@ -48,12 +59,14 @@ __all__ = [
     "axis_index",
     "axis_size",
     "broadcast",
+    "broadcast_batches",
     "current_mesh",
     "debug",
     "debug_enabled",
     "explicit_order",
     "from_torch_placement",
     "global_shape_and_stride",
+    "heads_to_seq",
     "infer_out_specs",
     "init_mesh",
     "local_indices",
@@ -68,11 +81,18 @@ __all__ = [
     "pmean",
     "pmin",
     "ppermute",
+    "prepare_lm_batch",
     "psum",
     "psum_scatter",
+    "reduce_gradients",
     "Replicate",
+    "seq_positions",
+    "seq_to_heads",
+    "sequence_parallel",
+    "SequenceParallel",
     "Shard",
     "shard_map",
+    "shard_map_seq",
     "shard_tensor",
     "spawn",
     "SpawnError",
@@ -80,6 +100,8 @@ __all__ = [
     "split",
     "StridedShard",
     "to_torch_placement",
+    "token_mean_loss",
+    "ulysses_attention",
     "unshard_tensor",
     "use_mesh",
 ]

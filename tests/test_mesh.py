@@ -186,6 +186,7 @@ open(f"result{dist.get_rank()}.json", "w").write(json.dumps({
     "world": dist.get_world_size(), "rank": dist.get_rank(), "backend": str(dist.get_backend()),
     "names": list(mesh.mesh_dim_names), "sum": t.item(), "current": ps.current_mesh() is mesh,
 }))
+dist.barrier()  # no rank tears its group down while another still talks to it
 dist.destroy_process_group()
 """
 

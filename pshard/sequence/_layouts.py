@@ -1,0 +1,235 @@
+"""Sequence layouts: how one sequence is padded and dealt out to the ranks of an axis.
+
+Pure index arithmetic (no process group), kept in one place so that every sharded input is
+permuted the same way and every output is un-permuted by the exact inverse.
+
+A sequence of ``length`` tokens on ``size`` ranks is first padded at its end to
+``padded_length``, a multiple of ``size`` (of ``2 * size`` for ``"zigzag"``); the padding tokens
+get the positions ``length, length + 1, ...``. Then each rank takes ``local_length =
+padded_length // size`` positions:
+
+- ``"contiguous"``: rank ``r`` holds positions ``[r * L, (r + 1) * L)``;
+- ``"zigzag"``: the padded sequence is cut into ``2 * size`` chunks; rank ``r`` holds chunks ``r``
+  and ``2 * size - 1 - r`` (so every rank does the same causal-attention work);
+- ``"stripe"``: token ``t`` goes to rank ``t % size`` (local index ``t // size``).
+
+A rank holds its positions in ascending order. Concatenating every rank's tokens in rank order
+gives the *permuted* sequence: slot ``i`` of it holds position :meth:`SeqLayout.permutation`
+``[i]``, and position ``p`` sits in slot :meth:`SeqLayout.inverse` ``[p]``. That is the order
+in which an all-to-all over the axis (Ulysses) sees the whole sequence.
+
+Internal interface (used by the sequence transforms):
+
+- ``LAYOUTS``: the layout names; ``check_layout(layout, fn)`` validates one.
+- ``SeqLayout(kind, length, size)``: a frozen dataclass with ``padded_length``,
+  ``local_length``, ``num_pad``, ``positions(rank)``, ``is_pad(rank)``, ``permutation()``,
+  ``inverse()`` and their tensor forms ``position_tensor(rank, device)`` (``rank=None``: the
+  whole permuted order).
+- ``pad_permute(x, dim, layout, value)``: the padded, permuted whole tensor (differentiable);
+  slicing it in ``size`` equal blocks along ``dim`` gives each rank its tokens.
+- ``unpermute_unpad(y, dim, layout)``: the inverse (differentiable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LAYOUTS", "SeqLayout", "check_layout", "pad_permute", "unpermute_unpad"]
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+def check_layout(layout: Any, fn: str) -> str:
+    """``layout`` if it names a layout, else a ``ValueError`` naming ``fn``."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(
+            f"{fn}: layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}"
+        )
+    return layout
+
+
+def _count(fn: str, name: str, value: Any, minimum: int) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an int, got {value!r}") from None
+    if v < minimum:
+        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {v}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqLayout:
+    """The layout of one sequence of ``length`` tokens over ``size`` ranks.
+
+    Attributes:
+        kind: ``"contiguous"``, ``"zigzag"`` or ``"stripe"``.
+        length: the true number of tokens (before padding).
+        size: the number of ranks.
+
+    Example:
+        >>> from pshard.sequence._layouts import SeqLayout
+        >>> lay = SeqLayout("zigzag", 7, 2)
+        >>> lay.padded_length, lay.local_length, lay.num_pad
+        (8, 4, 1)
+        >>> lay.positions(0), lay.positions(1)
+        ((0, 1, 6, 7), (2, 3, 4, 5))
+        >>> lay.is_pad(0)
+        (False, False, False, True)
+        >>> lay.permutation()
+        (0, 1, 6, 7, 2, 3, 4, 5)
+        >>> SeqLayout("stripe", 5, 2).positions(1)
+        (1, 3, 5)
+    """
+
+    kind: str
+    length: int
+    size: int
+
+    def __post_init__(self) -> None:
+        check_layout(self.kind, "SeqLayout")
+        _count("SeqLayout", "length", self.length, 0)
+        _count("SeqLayout", "size", self.size, 1)
+
+    @property
+    def multiple(self) -> int:
+        """What the padded length is a multiple of: ``size`` (``2 * size`` for zigzag)."""
+        return 2 * self.size if self.kind == "zigzag" else self.size
+
+    @property
+    def padded_length(self) -> int:
+        m = self.multiple
+        return -(-self.length // m) * m
+
+    @property
+    def local_length(self) -> int:
+        """Tokens per rank (padding included)."""
+        return self.padded_length // self.size
+
+    @property
+    def num_pad(self) -> int:
+        """Padding tokens added at the end of the sequence."""
+        return self.padded_length - self.length
+
+    def _rank(self, rank: Any) -> int:
+        r = _count("SeqLayout", "rank", rank, 0)
+        if r >= self.size:
+            raise ValueError(f"SeqLayout: rank {r} is out of range for {self.size} ranks")
+        return r
+
+    def positions(self, rank: int) -> tuple[int, ...]:
+        """The positions (in the padded sequence) that ``rank`` holds, in its local order;
+        positions ``>= length`` are padding."""
+        return _positions(self.kind, self.padded_length, self.size, self._rank(rank))
+
+    def is_pad(self, rank: int) -> tuple[bool, ...]:
+        """For each of ``rank``'s tokens, whether it is padding."""
+        return tuple(p >= self.length for p in self.positions(rank))
+
+    def permutation(self) -> tuple[int, ...]:
+        """Slot ``i`` of the permuted sequence (every rank's tokens in rank order) holds
+        position ``permutation()[i]``."""
+        return _permutation(self.kind, self.padded_length, self.size)
+
+    def inverse(self) -> tuple[int, ...]:
+        """Position ``p`` sits in slot ``inverse()[p]`` of the permuted sequence."""
+        return _inverse(self.kind, self.padded_length, self.size)
+
+    def position_tensor(
+        self, rank: int | None = None, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """:meth:`positions` of ``rank`` (``None``: :meth:`permutation`) as an int64 tensor."""
+        if rank is not None:
+            rank = self._rank(rank)
+        return _index_tensor(
+            self.kind, self.padded_length, self.size, rank, torch.device(device or "cpu")
+        )
+
+
+# --------------------------------------------------------------------------- cached index math
+
+
+@functools.lru_cache(maxsize=512)
+def _positions(kind: str, padded: int, size: int, rank: int) -> tuple[int, ...]:
+    local = padded // size
+    if kind == "contiguous":
+        return tuple(range(rank * local, (rank + 1) * local))
+    if kind == "stripe":
+        return tuple(range(rank, padded, size))
+    chunk = local // 2
+    first = range(rank * chunk, (rank + 1) * chunk)
+    mirror = 2 * size - 1 - rank
+    return (*first, *range(mirror * chunk, (mirror + 1) * chunk))
+
+
+@functools.lru_cache(maxsize=512)
+def _permutation(kind: str, padded: int, size: int) -> tuple[int, ...]:
+    return tuple(p for r in range(size) for p in _positions(kind, padded, size, r))
+
+
+@functools.lru_cache(maxsize=512)
+def _inverse(kind: str, padded: int, size: int) -> tuple[int, ...]:
+    inv = [0] * padded
+    for slot, p in enumerate(_permutation(kind, padded, size)):
+        inv[p] = slot
+    return tuple(inv)
+
+
+@functools.lru_cache(maxsize=512)
+def _index_tensor(
+    kind: str, padded: int, size: int, rank: int | None, device: torch.device
+) -> torch.Tensor:
+    if rank is None:
+        values = _permutation(kind, padded, size)
+    elif rank == -1:
+        values = _inverse(kind, padded, size)
+    else:
+        values = _positions(kind, padded, size, rank)
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+# --------------------------------------------------------------------------- tensor forms
+
+
+def pad_permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any = 0) -> torch.Tensor:
+    """``x`` (``layout.length`` long along ``dim``) padded with ``value`` to
+    ``layout.padded_length`` and put in the permuted order; block ``r`` of ``size`` equal blocks
+    along ``dim`` is then rank ``r``'s part. Differentiable; a view-free copy only where needed.
+
+    Example:
+        >>> import torch
+        >>> from pshard.sequence._layouts import SeqLayout, pad_permute
+        >>> pad_permute(torch.arange(5), 0, SeqLayout("stripe", 5, 2), -1)
+        tensor([ 0,  2,  4,  1,  3, -1])
+    """
+    if layout.num_pad:
+        pad = [0, 0] * (x.dim() - 1 - dim) + [0, layout.num_pad]
+        x = F.pad(x, pad, value=value)
+    if layout.kind == "contiguous" or layout.size == 1:
+        return x
+    index = _index_tensor(layout.kind, layout.padded_length, layout.size, None, x.device)
+    return x.index_select(dim, index)
+
+
+def unpermute_unpad(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
+    """The inverse of :func:`pad_permute`: ``y`` in the permuted order along ``dim``
+    (``layout.padded_length`` long) back in sequence order, padding removed.
+
+    Example:
+        >>> import torch
+        >>> from pshard.sequence._layouts import SeqLayout, unpermute_unpad
+        >>> unpermute_unpad(torch.tensor([0, 2, 4, 1, 3, -1]), 0, SeqLayout("stripe", 5, 2))
+        tensor([0, 1, 2, 3, 4])
+    """
+    if layout.kind != "contiguous" and layout.size > 1:
+        index = _index_tensor(layout.kind, layout.padded_length, layout.size, -1, y.device)
+        return y.index_select(dim, index[: layout.length] if layout.num_pad else index)
+    return y.narrow(dim, 0, layout.length) if layout.num_pad else y

@@ -1,0 +1,202 @@
+"""Causal-LM batches and losses for sequence parallelism.
+
+Two bugs recur in sequence-parallel training code, and these two functions remove them:
+
+- *Shifting labels after sharding.* A causal LM predicts token ``t + 1`` at position ``t``; if each
+  rank shifts its own shard of ``labels``, the target of the last position of every shard (the
+  first token of the next shard) is lost, one target per shard boundary.
+  :func:`prepare_lm_batch` shifts over the whole sequence *before* any sharding, into
+  ``shift_labels`` (the name Hugging Face models read), so each position carries its own target
+  wherever it lands.
+- *Normalising by local token counts.* Each rank's mean over its own targets, averaged over
+  ranks, is not the mean over all targets (and is ``0 / 0`` on a rank without targets).
+  :func:`token_mean_loss` divides the global sum by the global count.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._collectives import psum
+from .._mesh import Axis
+from .._tree import describe
+
+__all__ = ["prepare_lm_batch", "token_mean_loss"]
+
+
+def _int(fn: str, name: str, value: Any, minimum: int | None = None) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an int, got {describe(value)}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {v}")
+    return v
+
+
+def prepare_lm_batch(
+    batch: Mapping[str, Any],
+    *,
+    ignore_index: int = -100,
+    logits_to_keep: int | torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """Make a causal-LM batch ready to be split along its sequence (dim 1).
+
+    Call it on the whole batch, before ``shard_map_seq`` / ``sequence_parallel`` split it. It
+    returns a new dict (``batch`` is not modified) with:
+
+    - ``"labels"``: as given; when absent, ``input_ids`` with positions where
+      ``attention_mask == 0`` set to ``ignore_index`` (the usual causal-LM labels).
+    - ``"shift_labels"``: the target of every position, ``labels`` shifted left by one over the
+      *whole* sequence, the last position getting ``ignore_index``. The loss at position ``t``
+      is ``cross_entropy(logits[:, t], shift_labels[:, t])``, with no further shift. (Hugging
+      Face causal-LM losses use ``shift_labels`` as they are when it is passed.)
+    - ``"position_ids"``: ``arange(seq_len)`` per row, when absent.
+    - ``"logits_to_keep"``: an int ``k`` (the argument, else an int in ``batch``) becomes a
+      boolean mask over the whole sequence, ``True`` on the last ``k`` positions (``k == 0``
+      keeps every position, as in Hugging Face models), so that splitting it gives each rank
+      the mask of its own tokens. A tensor is kept as it is.
+    - ``"num_items_in_batch"``: the number of targets (``shift_labels != ignore_index``, only
+      at kept positions when ``logits_to_keep`` is set), a 0-dim int64 tensor: the denominator
+      of the token-mean loss over the whole batch (see :func:`token_mean_loss`).
+
+    Args:
+        batch: a Mapping with ``"input_ids"`` (``(batch, seq)``) and/or ``"labels"``; other
+            keys are copied.
+        ignore_index: the label of positions without a target.
+        logits_to_keep: keep the logits of the last ``k`` positions only (or a mask).
+
+    Returns:
+        A new dict.
+
+    Raises:
+        TypeError: ``batch`` is not a Mapping.
+        ValueError: no ``labels`` nor ``input_ids``, or tensors whose sequence lengths differ.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> batch = ps.prepare_lm_batch({"input_ids": torch.tensor([[5, 6, 7, 8]])},
+        ...                             logits_to_keep=2)
+        >>> batch["shift_labels"]
+        tensor([[   6,    7,    8, -100]])
+        >>> batch["position_ids"], batch["logits_to_keep"], batch["num_items_in_batch"]
+        (tensor([[0, 1, 2, 3]]), tensor([False, False,  True,  True]), tensor(1))
+    """
+    fn = "prepare_lm_batch"
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"{fn}: batch must be a Mapping (dict, BatchEncoding) of tensors, got {describe(batch)}"
+        )
+    ignore_index = _int(fn, "ignore_index", ignore_index)
+    out = dict(batch)
+    labels = out.get("labels")
+    ids = out.get("input_ids")
+    if labels is None:
+        if not isinstance(ids, torch.Tensor):
+            raise ValueError(
+                f"{fn}: the batch has neither 'labels' nor an 'input_ids' tensor to derive them "
+                f"from (keys {list(out)}); add one of them"
+            )
+        labels = ids.clone()
+        mask = out.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+            labels = labels.masked_fill(mask == 0, ignore_index)
+        out["labels"] = labels
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        raise ValueError(
+            f"{fn}: batch['labels'] must be a tensor of shape (batch, seq, ...), got "
+            f"{describe(labels)}"
+        )
+    seq_len = labels.shape[1]
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        value = out.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] != seq_len:
+            raise ValueError(
+                f"{fn}: batch[{key!r}] has {value.shape[1]} tokens along dim 1 (shape "
+                f"{tuple(value.shape)}) but batch['labels'] has {seq_len} (shape "
+                f"{tuple(labels.shape)}); every sequence tensor must have the same length"
+            )
+    if seq_len:
+        pad = [0, 0] * (labels.dim() - 2) + [0, 1]
+        shifted = F.pad(labels.narrow(1, 1, seq_len - 1), pad, value=ignore_index)
+    else:
+        shifted = labels.clone()
+    out["shift_labels"] = shifted
+    if out.get("position_ids") is None:
+        out["position_ids"] = (
+            torch.arange(seq_len, dtype=torch.int64, device=labels.device)
+            .unsqueeze(0)
+            .expand(labels.shape[0], seq_len)
+        )
+    keep = out.get("logits_to_keep") if logits_to_keep is None else logits_to_keep
+    if keep is not None and not isinstance(keep, torch.Tensor):
+        k = _int(fn, "logits_to_keep", keep, minimum=0)
+        positions = torch.arange(seq_len, device=labels.device)
+        keep = positions >= (seq_len - k if k else 0)
+    if keep is not None:
+        out["logits_to_keep"] = keep
+    targets = shifted != ignore_index
+    if isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.shape == (seq_len,):
+        targets = targets & keep.view(1, seq_len, *([1] * (shifted.dim() - 2)))
+    out["num_items_in_batch"] = targets.sum()
+    return out
+
+
+def token_mean_loss(
+    losses_sum: torch.Tensor, num_tokens: torch.Tensor | int, axis: Axis
+) -> torch.Tensor:
+    """The mean loss per token over every rank of ``axis``: ``psum(losses_sum) /
+    psum(num_tokens)``.
+
+    Each rank passes the *sum* of its per-token losses and its number of tokens (e.g. its
+    targets ``shift_labels != -100``); every rank gets the same global mean. A rank without
+    tokens passes zeros; when no rank has a token the result is 0 (never NaN). One all-reduce
+    carries both sums. Differentiable in ``losses_sum`` (``psum``'s transpose is ``psum``, so
+    inside ``shard_map_seq`` the gradient is the single-process gradient of the token mean);
+    ``num_tokens`` is a count and gets no gradient.
+
+    Args:
+        losses_sum: this rank's sum of per-token losses (a floating-point tensor, usually 0-dim).
+        num_tokens: this rank's number of tokens (an int or a tensor broadcastable with
+            ``losses_sum``).
+        axis: the mesh axis (or axes) the tokens are split over.
+
+    Returns:
+        ``psum(losses_sum, axis) / psum(num_tokens, axis)`` (0 when the count is 0).
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> import torch.nn.functional as F
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> logits, targets = torch.randn(6, 10), torch.tensor([1, 2, -100, 4, 5, -100])
+        >>> total = F.cross_entropy(logits, targets, reduction="sum")
+        >>> loss = ps.token_mean_loss(total, (targets != -100).sum(), "sp")
+        >>> torch.allclose(loss, F.cross_entropy(logits, targets))
+        True
+        >>> ps.token_mean_loss(torch.tensor(0.0), 0, "sp")
+        tensor(0.)
+    """
+    fn = "token_mean_loss"
+    if not isinstance(losses_sum, torch.Tensor) or not losses_sum.is_floating_point():
+        raise TypeError(
+            f"{fn}: losses_sum must be a floating-point tensor (the sum of this rank's per-token "
+            f"losses), got {describe(losses_sum)}"
+        )
+    count = torch.as_tensor(num_tokens, device=losses_sum.device).detach().to(losses_sum.dtype)
+    try:
+        total, count = torch.broadcast_tensors(losses_sum, count)
+    except RuntimeError:
+        raise ValueError(
+            f"{fn}: num_tokens (shape {tuple(count.shape)}) does not broadcast with losses_sum "
+            f"(shape {tuple(losses_sum.shape)})"
+        ) from None
+    both = psum(torch.stack([total, count]), axis)
+    # no tokens anywhere: the sum is 0 too, and 0 / 1 keeps the result and its gradient finite
+    return both[0] / torch.where(both[1] > 0, both[1], torch.ones_like(both[1]))

@@ -1,0 +1,278 @@
+"""``shard_map_seq``: ``shard_map`` over one axis, specialised for one sequence.
+
+It is built from ``shard_map`` and the layout functions, with nothing of its own at the
+boundary: outside the map each ``Shard(d)`` input is padded along ``d`` and put in the layout's
+permuted order (:func:`pshard.sequence._layouts.pad_permute`, a local, differentiable index
+operation on the whole value), ``shard_map`` gives each rank its even block, and each ``Shard``
+output that ``shard_map`` gathered is put back in sequence order with its padding removed
+(:func:`~pshard.sequence._layouts.unpermute_unpad`). The gradient convention is therefore
+exactly ``shard_map``'s, and the transposes of the index operations are local.
+
+While ``fn`` runs, the sequence context (:mod:`pshard.sequence._context`) holds the layout, so
+:func:`pshard.seq_positions` and the attention functions know the true position of every token.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._mesh import current_mesh, resolve_axis
+from .._placements import P, Partial, Replicate, Shard, StridedShard
+from .._shard_map import shard_map
+from .._specs import broadcast_prefix_flat, resolve_specs
+from .._tree import (
+    describe,
+    is_block_mask,
+    keystr,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
+from ._context import SeqContext, normalize_axis, sequence_context
+from ._layouts import SeqLayout, check_layout, pad_permute, unpermute_unpad
+
+__all__ = ["shard_map_seq"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_FN = "shard_map_seq"
+
+
+def _axis_names(axis: Any) -> tuple[str, ...]:
+    names = normalize_axis(axis)
+    if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"{_FN}: axis must be a mesh-axis name or a tuple of names, got {describe(axis)}"
+        )
+    return names
+
+
+def _check_spec(spec: Any, where: str, outputs: bool) -> None:
+    if isinstance(spec, (StridedShard, P)) or (isinstance(spec, Partial) and not outputs):
+        allowed = (
+            "Shard(d), Replicate(), Partial(...) or None"
+            if outputs
+            else ("Shard(d), Replicate() or None")
+        )
+        raise ValueError(
+            f"{_FN} {where}: {spec!r} is not a sequence spec; shard_map_seq splits one sequence "
+            f"dim over its axis: use {allowed} (use ps.shard_map for other layouts)"
+        )
+
+
+def _pad_value(value: Any, where: str) -> Any:
+    if value is None:
+        return 0
+    if isinstance(value, (bool, numbers.Number)) and not isinstance(value, complex):
+        return value
+    raise TypeError(
+        f"{_FN} {where}: a pad value must be a number (or None for 0), got {describe(value)}"
+    )
+
+
+@overload
+def shard_map_seq(
+    fn: None = None,
+    /,
+    *,
+    axis: str | tuple[str, ...] = "sp",
+    mesh: DeviceMesh | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    layout: str = "contiguous",
+    pad_values: Any = 0,
+) -> Callable[[F], F]: ...
+
+
+@overload
+def shard_map_seq(
+    fn: F,
+    /,
+    *,
+    axis: str | tuple[str, ...] = "sp",
+    mesh: DeviceMesh | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    layout: str = "contiguous",
+    pad_values: Any = 0,
+) -> F: ...
+
+
+def shard_map_seq(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    axis: str | tuple[str, ...] = "sp",
+    mesh: DeviceMesh | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    layout: str = "contiguous",
+    pad_values: Any = 0,
+) -> Any:
+    """Map ``fn`` over the shards of one sequence split along ``axis``.
+
+    ``shard_map`` over the single axis ``axis`` (other mesh axes are left to the caller, e.g.
+    data parallelism), specialised for sequences of any length: every ``Shard(d)`` input is
+    padded along ``d`` to a multiple of the axis size ``N`` (of ``2N`` for ``"zigzag"``) with
+    its pad value, permuted by ``layout`` and split evenly; every ``Shard(d)`` output is
+    gathered, un-permuted and unpadded. In pseudo-code::
+
+        def shard_map_seq(fn)(*args):
+            s = the length of dim d of the Shard(d) inputs (the same for all)
+            args = [permute(pad(a, d, pad_value), layout) for Shard(d) inputs]
+            out = shard_map(fn_in_sequence_context, in_specs=..., out_specs=...)(*args)
+            return [unpad(unpermute(o, layout), s) for Shard(d) outputs]
+
+    Layouts (rank ``r`` of ``N``): ``"contiguous"`` (rank ``r`` holds the ``r``-th block),
+    ``"zigzag"`` (blocks ``r`` and ``2N - 1 - r`` of ``2N``, which balances causal attention),
+    ``"stripe"`` (token ``t`` on rank ``t % N``). Inside ``fn``, :func:`pshard.seq_positions`
+    gives the global position of each local token (padding at ``>= s``), and
+    :func:`pshard.ulysses_attention` masks by true positions and never attends to padding.
+    Element-wise and per-token work needs no care; anything mixing tokens must use those
+    (or collectives) rather than local ``arange``.
+
+    Gradients follow ``shard_map``'s convention (outside, values and cotangents are replicated
+    over ``axis``): ``torch.func.grad(shard_map_seq(f))`` is the single-process gradient on
+    every rank, and ``pmap_microbatch`` composes around it in either order.
+
+    Args:
+        fn: the per-shard function (positional-only); omit it to use a decorator.
+        axis: the sequence-parallel mesh axis (a name, or a tuple of names split as one).
+        mesh: the device mesh (default: the current mesh at call time).
+        in_specs: a prefix tree of the positional args: ``Shard(d)`` (a sequence dim),
+            ``Replicate()`` or ``None``. All ``Shard`` inputs must have the same length along
+            their dim. Keyword arguments are replicated.
+        out_specs: a prefix tree of ``fn``'s output: ``Shard(d)`` (each rank returns its
+            tokens along ``d``), ``Replicate()``/``None``, or ``Partial(reduce)``. Required.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"stripe"``.
+        pad_values: what padding tokens hold, a number or a prefix tree of the positional
+            args, e.g. ``(0, {"input_ids": 0, "labels": -100})``.
+
+    Returns:
+        The mapped function (or a decorator).
+
+    Raises:
+        TypeError: a spec or pad value of the wrong type, or ``out_specs`` missing.
+        ValueError: no ``Shard`` input, ``Shard`` inputs of different lengths, a spec that is
+            not a sequence spec or does not fit its tensor, or an output shard of the wrong
+            length; messages name the key path (``in_specs[1]['labels']``).
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"sp": 1})
+        >>> @ps.shard_map_seq(in_specs=(ps.Shard(1),), out_specs=ps.Shard(1), layout="zigzag")
+        ... def double(x):
+        ...     return 2 * x
+        >>> double(torch.arange(5.0).view(1, 5))
+        tensor([[0., 2., 4., 6., 8.]])
+    """
+    names = _axis_names(axis)
+    check_layout(layout, _FN)
+    if fn is None:
+        return functools.partial(
+            shard_map_seq,
+            axis=axis,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            layout=layout,
+            pad_values=pad_values,
+        )
+    if not callable(fn):
+        raise TypeError(f"{_FN}: fn must be callable, got {describe(fn)}")
+    fn_name = getattr(fn, "__name__", type(fn).__name__)
+    if out_specs is None:
+        raise TypeError(
+            f"{_FN}({fn_name}): out_specs is required; pass a prefix tree of {fn_name}'s output, "
+            f"e.g. ps.Shard(1) for per-token outputs or ps.Replicate() for a reduced loss"
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{_FN}: mesh must be a DeviceMesh, got {describe(mesh)}")
+    key = normalize_axis(axis)
+
+    @functools.wraps(fn)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        m = current_mesh() if mesh is None else mesh
+        info = resolve_axis(names, mesh=m, fn=_FN)
+        paths, leaves, treedef = tree_flatten_with_path(args)
+        specs = resolve_specs(in_specs, leaves, treedef, name="in_specs", fn_name=_FN)
+        pads = broadcast_prefix_flat(pad_values, treedef, leaves, name="pad_values", fn_name=_FN)
+        length = first = device = None
+        dims: list[int | None] = []
+        for path, x, spec in zip(paths, leaves, specs, strict=True):
+            where = keystr(path, "in_specs")
+            _check_spec(spec, where, outputs=False)
+            if not isinstance(spec, Shard):
+                dims.append(None)
+                continue
+            if is_block_mask(x):
+                raise ValueError(
+                    f"{_FN} {where}: {spec!r} but the value is {describe(x)}; a BlockMask "
+                    f"cannot be split along the sequence: build it inside fn from "
+                    f"ps.seq_positions(), or give it Replicate()"
+                )
+            d = spec.dim % x.dim()
+            dims.append(d)
+            if length is None:
+                length, first, device = x.shape[d], (where, spec, tuple(x.shape)), x.device
+            elif x.shape[d] != length:
+                raise ValueError(
+                    f"{_FN} {where}: {spec!r} splits a sequence of {x.shape[d]} tokens (shape "
+                    f"{tuple(x.shape)}) but {first[0]}: {first[1]!r} splits one of {length} "
+                    f"(shape {first[2]}); every Shard input must be the same sequence: pad them "
+                    f"to one length, or give the other inputs Replicate()"
+                )
+        if length is None:
+            raise ValueError(
+                f"{_FN}({fn_name}): no input has a Shard(d) spec, so there is no sequence to "
+                f"split; give the sequence inputs Shard(d) in in_specs (e.g. ps.Shard(1) for "
+                f"(batch, seq) tensors)"
+            )
+        lay = SeqLayout(layout, length, info.size)
+        ctx = SeqContext(key, lay, info.rank, device)
+        flat = [
+            x if d is None else pad_permute(x, d, lay, _pad_value(pad, keystr(path, "pad_values")))
+            for path, x, d, pad in zip(paths, leaves, dims, pads, strict=True)
+        ]
+        inner_specs = [Replicate() if d is None else Shard(d) for d in dims]
+
+        def body(flat_inner: list[Any], **kw: Any) -> Any:
+            with sequence_context(ctx):
+                out = fn(*tree_unflatten(treedef, flat_inner), **kw)
+            out_paths, out_leaves, out_def = tree_flatten_with_path(out)
+            out_flat = resolve_specs(out_specs, out_leaves, out_def, name="out_specs", fn_name=_FN)
+            for path, y, spec in zip(out_paths, out_leaves, out_flat, strict=True):
+                where = keystr(path, "out_specs")
+                _check_spec(spec, where, outputs=True)
+                if isinstance(spec, Shard) and y.shape[spec.dim % y.dim()] != lay.local_length:
+                    d = spec.dim % y.dim()
+                    raise ValueError(
+                        f"{_FN} {where}: {spec!r} but fn returned {y.shape[d]} tokens along dim "
+                        f"{d} (shape {tuple(y.shape)}) on a rank that holds {lay.local_length} "
+                        f"(a sequence of {length} on {info.size} ranks, {layout} layout, "
+                        f"padding included); a Shard output has one entry per local token"
+                    )
+            return out
+
+        out = shard_map(
+            body,
+            mesh=m,
+            in_specs=(inner_specs,),
+            out_specs=out_specs,
+            axis_names=names,
+        )(flat, **kwargs)
+        out_paths, out_leaves, out_def = tree_flatten_with_path(out)
+        out_flat = resolve_specs(out_specs, out_leaves, out_def, name="out_specs", fn_name=_FN)
+        return tree_unflatten(
+            out_def,
+            [
+                unpermute_unpad(y, spec.dim % y.dim(), lay) if isinstance(spec, Shard) else y
+                for y, spec in zip(out_leaves, out_flat, strict=True)
+            ],
+        )
+
+    return mapped

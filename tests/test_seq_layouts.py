@@ -1,0 +1,119 @@
+"""Sequence layouts (pure index math): bijections, exact inverses, padding counts, and the
+tensor forms against a hand-built reference for every layout, axis size and length."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from pshard.sequence._layouts import (
+    LAYOUTS,
+    SeqLayout,
+    check_layout,
+    pad_permute,
+    unpermute_unpad,
+)
+
+SIZES = range(1, 6)
+LENGTHS = range(14)
+
+
+def _expected_positions(kind: str, padded: int, n: int, r: int) -> list[int]:
+    """Each layout from its definition, written independently of the module."""
+    if kind == "contiguous":
+        return [t for t in range(padded) if t // (padded // n) == r]
+    if kind == "stripe":
+        return [t for t in range(padded) if t % n == r]
+    chunk = padded // (2 * n)
+    return [t for t in range(padded) if t // chunk in (r, 2 * n - 1 - r)]
+
+
+def test_every_layout_is_a_bijection_with_exact_inverse() -> None:
+    checked = 0
+    for kind in LAYOUTS:
+        multiple = 2 if kind == "zigzag" else 1
+        for n in SIZES:
+            for s in LENGTHS:
+                lay = SeqLayout(kind, s, n)
+                p = lay.padded_length
+                assert p % (multiple * n) == 0 and s <= p < s + multiple * n
+                assert lay.num_pad == p - s and lay.local_length * n == p
+                perm, inv = lay.permutation(), lay.inverse()
+                assert sorted(perm) == list(range(p))  # a bijection of the padded positions
+                assert all(inv[perm[i]] == i for i in range(p))
+                assert all(perm[inv[q]] == q for q in range(p))
+                for r in range(n):
+                    pos = lay.positions(r)
+                    assert list(pos) == _expected_positions(kind, p, n, r)
+                    assert len(pos) == lay.local_length
+                    assert list(pos) == sorted(pos)  # ascending on each rank
+                    assert perm[r * lay.local_length : (r + 1) * lay.local_length] == pos
+                    assert lay.is_pad(r) == tuple(q >= s for q in pos)
+                    assert lay.position_tensor(r).tolist() == list(pos)
+                assert sum(sum(lay.is_pad(r)) for r in range(n)) == lay.num_pad
+                assert lay.position_tensor().tolist() == list(perm)
+                checked += 1
+    assert checked == 3 * 5 * 14
+
+
+def test_padding_counts() -> None:
+    assert SeqLayout("contiguous", 13, 4).num_pad == 3
+    assert SeqLayout("stripe", 13, 4).num_pad == 3
+    assert SeqLayout("zigzag", 13, 4).num_pad == 3  # 16 = 2 * 4 * 2
+    assert SeqLayout("zigzag", 9, 4).num_pad == 7
+    assert SeqLayout("contiguous", 12, 4).num_pad == 0
+    assert SeqLayout("zigzag", 0, 3).padded_length == 0
+    assert SeqLayout("contiguous", 1, 5).is_pad(0) == (False,)
+    assert SeqLayout("contiguous", 1, 5).is_pad(4) == (True,)
+
+
+def test_zigzag_balances_causal_work() -> None:
+    # each rank's causal attention work (sum of (position + 1)) is the same
+    lay = SeqLayout("zigzag", 16, 4)
+    work = {sum(p + 1 for p in lay.positions(r)) for r in range(4)}
+    assert len(work) == 1
+
+
+def test_tensor_forms_round_trip_with_gradients() -> None:
+    for kind in LAYOUTS:
+        for n in SIZES:
+            for s in LENGTHS:
+                lay = SeqLayout(kind, s, n)
+                x = torch.randn(2, s, 3, dtype=torch.float64, requires_grad=True)
+                y = pad_permute(x, 1, lay, value=7.0)
+                assert y.shape == (2, lay.padded_length, 3)
+                perm = lay.permutation()
+                for slot, q in enumerate(perm):
+                    want = x[:, q] if q < s else torch.full((2, 3), 7.0, dtype=x.dtype)
+                    assert torch.equal(y[:, slot], want)
+                back = unpermute_unpad(y, 1, lay)
+                assert torch.equal(back, x)
+                (g,) = torch.autograd.grad(back, x, torch.ones_like(back))
+                assert torch.equal(g, torch.ones_like(x))
+                ids = torch.arange(s)
+                assert unpermute_unpad(pad_permute(ids, 0, lay, -100), 0, lay).tolist() == list(
+                    range(s)
+                )
+                mask = torch.ones(s, dtype=torch.bool)
+                assert pad_permute(mask, 0, lay, False).sum().item() == s
+
+
+def test_tensor_forms_under_vmap() -> None:
+    lay = SeqLayout("zigzag", 5, 2)
+    x = torch.randn(3, 5, 2)
+    y = torch.func.vmap(lambda t: pad_permute(t, 0, lay, 0.0))(x)
+    assert torch.equal(y, pad_permute(x, 1, lay, 0.0))
+    assert torch.equal(torch.func.vmap(lambda t: unpermute_unpad(t, 0, lay))(y), x)
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match=re.escape("f: layout must be one of 'contiguous',")):
+        check_layout("ring", "f")
+    with pytest.raises(ValueError, match=re.escape("SeqLayout: size must be >= 1, got 0")):
+        SeqLayout("stripe", 3, 0)
+    with pytest.raises(TypeError, match=re.escape("SeqLayout: length must be an int")):
+        SeqLayout("stripe", 3.0, 2)
+    with pytest.raises(ValueError, match=re.escape("SeqLayout: rank 2 is out of range")):
+        SeqLayout("stripe", 3, 2).positions(2)

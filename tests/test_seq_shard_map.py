@@ -1,0 +1,208 @@
+"""shard_map_seq beyond the LM: composition with pmap_microbatch and vmap, nested sequence
+contexts, and the errors it raises (with their messages pinned)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_seq_model import BATCH_SPECS, PADS, init_params, local_loss, make_batch, ref_loss
+
+import pshard as ps
+from pshard._tree import tree_leaves
+from pshard.sequence._context import find_context
+from pshard.sequence._layouts import SeqLayout
+
+
+def _microbatch_worker() -> dict:
+    ps.init_mesh({"sp": 2})
+    params = init_params(4, 1, seed=3)
+    batch = make_batch(4, 7, seed=5)
+    batch["shift_labels"][1] = -100  # a row without targets: a microbatch of weight 0
+    loss = ps.shard_map_seq(
+        local_loss,
+        in_specs=(None, BATCH_SPECS),
+        out_specs=ps.Replicate(),
+        layout="zigzag",
+        pad_values=(0, PADS),
+    )
+    step = ps.pmap_microbatch(
+        torch.func.grad_and_value(loss),
+        num_microbatches=4,
+        in_specs=(None, ps.Shard(0)),
+        out_specs=ps.Partial("mean"),
+        weight_fn=lambda params, mb: (mb["shift_labels"] != -100).sum(),
+    )
+    grad, value = step(params, batch)
+    ref_grad, ref_value = torch.func.grad_and_value(ref_loss)(params, batch)
+    close = all(
+        torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+        for a, b in zip(tree_leaves(grad), tree_leaves(ref_grad), strict=True)
+    )
+    # vmap over the whole map: a batch of sequences, each split on its own
+    xs = torch.randn(3, 2, 5, dtype=torch.float64)
+    double = ps.shard_map_seq(
+        lambda x: 2 * x * (1 + ps.seq_positions()),
+        in_specs=ps.Shard(1),
+        out_specs=ps.Shard(1),
+        layout="stripe",
+    )
+    ys = torch.func.vmap(double)(xs)
+    # an empty sequence: every token is padding on every rank; loss 0, gradients 0, no NaN
+    empty_grad, empty_value = torch.func.grad_and_value(loss)(params, make_batch(1, 0, seed=0))
+    return {
+        "empty": empty_value.item() == 0.0
+        and all(torch.equal(g, torch.zeros_like(g)) for g in tree_leaves(empty_grad)),
+        "value": torch.allclose(value, ref_value, rtol=1e-12, atol=0),
+        "grad": close,
+        "vmap": torch.allclose(ys, 2 * xs * (1 + torch.arange(5.0, dtype=torch.float64))),
+    }
+
+
+def test_pmap_microbatch_and_vmap_around(pool) -> None:
+    got = pool.run(2, _microbatch_worker)
+    assert got == [{"empty": True, "value": True, "grad": True, "vmap": True}] * 2
+
+
+def _nested_worker() -> list:
+    ps.init_mesh({"a": 2, "b": 2})
+    seen = []
+
+    def inner(x):
+        seen.append(("inner", ps.seq_positions().tolist(), ps.seq_positions("a").tolist()))
+        return x
+
+    def outer(x):
+        y = ps.shard_map_seq(
+            inner, axis="b", in_specs=ps.Shard(1), out_specs=ps.Shard(1), layout="zigzag"
+        )(x)
+        seen.append(("outer", ps.seq_positions().tolist(), find_context("b") is None))
+        return y
+
+    x = torch.arange(5.0).view(1, 5)
+    y = ps.shard_map_seq(
+        outer, axis="a", in_specs=ps.Shard(1), out_specs=ps.Shard(1), layout="stripe"
+    )(x)
+    seen.append(("after", find_context() is None, torch.equal(x, y)))
+    return seen
+
+
+def test_nested_contexts(pool) -> None:
+    got = pool.run(4, _nested_worker)
+    for rank, seen in enumerate(got):
+        a, b = divmod(rank, 2)
+        outer = list(SeqLayout("stripe", 5, 2).positions(a))
+        inner = list(SeqLayout("zigzag", 3, 2).positions(b))
+        assert seen == [
+            ("inner", inner, outer),
+            ("outer", outer, True),
+            ("after", True, True),
+        ]
+
+
+def _errors_worker() -> dict:
+    ps.init_mesh({"sp": 2})
+    batch = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": torch.zeros(2, 6)}
+    out = {}
+
+    def run(name, call):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    ident = lambda b: b  # noqa: E731
+    run(
+        "dims",
+        lambda: ps.shard_map_seq(
+            ident, in_specs=({"input_ids": ps.Shard(2), "labels": None},), out_specs=ps.Shard(1)
+        )(batch),
+    )
+    run(
+        "lengths",
+        lambda: ps.shard_map_seq(ident, in_specs=ps.Shard(1), out_specs=ps.Shard(1))(batch),
+    )
+    run("none", lambda: ps.shard_map_seq(ident, in_specs=None, out_specs=ps.Shard(1))(batch))
+    x = torch.zeros(2, 5)
+    run(
+        "out_len",
+        lambda: ps.shard_map_seq(lambda x: x[:, :1], in_specs=ps.Shard(1), out_specs=ps.Shard(1))(
+            x
+        ),
+    )
+    run(
+        "strided",
+        lambda: ps.shard_map_seq(
+            lambda x: x, in_specs=ps.StridedShard(1, 2), out_specs=ps.Shard(1)
+        )(x),
+    )
+    run(
+        "partial_in",
+        lambda: ps.shard_map_seq(lambda x: x, in_specs=ps.Partial(), out_specs=ps.Shard(1))(x),
+    )
+    run(
+        "pad",
+        lambda: ps.shard_map_seq(
+            lambda x: x, in_specs=ps.Shard(1), out_specs=ps.Shard(1), pad_values="x"
+        )(x),
+    )
+    run("layout", lambda: ps.shard_map_seq(lambda x: x, layout="ring", out_specs=ps.Shard(1)))
+    params = init_params(3, 3)
+    b = make_batch(1, 4, seed=0)
+    run(
+        "heads",
+        lambda: ps.shard_map_seq(
+            local_loss, in_specs=(None, BATCH_SPECS), out_specs=ps.Replicate(), pad_values=(0, PADS)
+        )(params, b),
+    )
+    return out
+
+
+def test_errors(pool) -> None:
+    got = pool.run(2, _errors_worker)[0]
+    assert got["dims"] == (
+        "ValueError: shard_map_seq in_specs[0]['input_ids']: Shard(2) but the tensor has 2 dims "
+        "(shape (2, 5)); did you mean Shard(1)?"
+    )
+    assert got["lengths"] == (
+        "ValueError: shard_map_seq in_specs[0]['labels']: Shard(1) splits a sequence of 6 tokens "
+        "(shape (2, 6)) but in_specs[0]['input_ids']: Shard(1) splits one of 5 (shape (2, 5)); "
+        "every Shard input must be the same sequence: pad them to one length, or give the other "
+        "inputs Replicate()"
+    )
+    assert got["none"].startswith(
+        "ValueError: shard_map_seq(<lambda>): no input has a Shard(d) spec"
+    )
+    assert got["out_len"] == (
+        "ValueError: shard_map_seq out_specs: Shard(1) but fn returned 1 tokens along dim 1 "
+        "(shape (2, 1)) on a rank that holds 3 (a sequence of 5 on 2 ranks, contiguous layout, "
+        "padding included); a Shard output has one entry per local token"
+    )
+    assert got["strided"] == (
+        "ValueError: shard_map_seq in_specs[0]: StridedShard(1, split_factor=2) is not a "
+        "sequence spec; shard_map_seq splits one sequence dim over its axis: use Shard(d), "
+        "Replicate() or None (use ps.shard_map for other layouts)"
+    )
+    assert got["partial_in"].startswith(
+        "ValueError: shard_map_seq in_specs[0]: Partial('sum') is not a sequence spec"
+    )
+    assert got["pad"] == (
+        "TypeError: shard_map_seq pad_values[0]: a pad value must be a number (or None for 0), "
+        "got a str ('x')"
+    )
+    assert got["layout"] == (
+        "ValueError: shard_map_seq: layout must be one of 'contiguous', 'zigzag', 'stripe', got "
+        "'ring'"
+    )
+    assert got["heads"].startswith(
+        "ValueError: ulysses_attention: q has 3 heads (head_dim=2, shape (1, 2, 3, 2)), which do "
+        "not divide by the size 2 of axis 'sp'"
+    )
+
+
+def test_out_specs_required() -> None:
+    with pytest.raises(
+        TypeError, match=re.escape("shard_map_seq(<lambda>): out_specs is required")
+    ):
+        ps.shard_map_seq(lambda x: x, in_specs=ps.Shard(1))
