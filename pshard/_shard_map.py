@@ -256,7 +256,7 @@ def shard_map(
     ``ps.shard_tensor(x, sizes, coordinate, placements)``); split outputs may be uneven too, their
     blocks' sizes are exchanged before the gather. Non-tensor leaves pass through unchanged
     (only ``Replicate``/``None`` specs). Keyword arguments are passed whole (replicated), unless
-    their parameters carry spec annotations.
+    ``in_specs`` is omitted and their parameters carry spec annotations.
 
     Gradients (JAX's convention, ``check_vma=False``): outside the map values *and cotangents*
     are replicated over the mapped axes. Splitting an input transposes to an all-gather of the
@@ -335,11 +335,10 @@ def shard_map(
         m = _Mesh(current_mesh() if mesh is None else mesh, names)
         check = bool(check_rep) or m.debug
         arg_specs, kw_specs = in_specs, None
-        if in_specs is None or kwargs:
+        if in_specs is None:
             annotated = default_in_specs(fn, args, kwargs, transform=_FN)
             if annotated is not None:
-                arg_specs = annotated[0] if in_specs is None else in_specs
-                kw_specs = annotated[1]
+                arg_specs, kw_specs = annotated
         paths, leaves, treedef = tree_flatten_with_path(args)
         specs = resolve_specs(arg_specs, leaves, treedef, name="in_specs", fn_name=_FN)
         inner = [
