@@ -17,6 +17,7 @@ import torch
 
 from ._annotations import default_in_specs, default_out_specs
 from ._batch_dim import _out_specs_from_leaf_specs
+from ._checks import check_int
 from ._debug import debug_enabled
 from ._placements import Partial, Replicate, Shard
 from ._reduce import ReduceError, make_reducer, weight_value
@@ -38,17 +39,6 @@ def _fn_name(fn: Any) -> str:
     if isinstance(fn, functools.partial):
         return f"partial({_fn_name(fn.func)})"
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _check_count(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"pmap_microbatch: {name} must be an int, got {value!r} ({type(value).__name__})"
-        )
-    if value < 1:
-        raise ValueError(f"pmap_microbatch: {name} must be >= 1, got {value}")
 
 
 def _default_spec(leaf: Any) -> Shard | Replicate:
@@ -218,8 +208,12 @@ def pmap_microbatch(
         >>> pred.shape, torch.allclose(mean, (x @ w).mean())
         (torch.Size([10]), True)
     """
-    _check_count("num_microbatches", num_microbatches)
-    _check_count("microbatch_size", microbatch_size)
+    for name, value in (
+        ("num_microbatches", num_microbatches),
+        ("microbatch_size", microbatch_size),
+    ):
+        if value is not None:
+            check_int("pmap_microbatch", name, value, minimum=1)
     if (num_microbatches is None) == (microbatch_size is None):
         given = (
             f"num_microbatches={num_microbatches}, microbatch_size={microbatch_size}"
