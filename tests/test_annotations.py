@@ -722,3 +722,86 @@ def test_docs_worked_example_runs():
 
     contextvars.copy_context().run(run)  # the example's mesh does not outlive it
     assert out.getvalue().splitlines() == expected
+
+
+# shard_map_seq: the API's example, annotations against explicit specs
+
+
+def seq_lm_body(params, batch):
+    logits = params["emb"][batch.input_ids] @ params["out"]
+    losses = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
+    count = (batch.labels != -100).sum().to(DT)
+    return ps.psum(losses, "sp") / ps.psum(count, "sp")
+
+
+def seq_lm_annotated(params: dict, batch: Batch) -> Annotated[torch.Tensor, ps.Replicate()]:
+    return seq_lm_body(params, batch)
+
+
+def seq_lm_reference(params, batch):
+    logits = params["emb"][batch.input_ids] @ params["out"]
+    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100)
+
+
+def seq_lm_data(seq=7):
+    g = torch.Generator().manual_seed(5)
+    params = {
+        "emb": torch.randn(11, 4, dtype=DT, generator=g),
+        "out": torch.randn(4, 11, dtype=DT, generator=g),
+    }
+    ids = torch.randint(0, 11, (2, seq), generator=g)
+    labels = torch.randint(0, 11, (2, seq), generator=g)
+    labels[:, -1] = -100
+    return params, Batch(ids, labels, int((labels != -100).sum()))
+
+
+def _shard_map_seq_worker(nprocs):
+    ps.init_mesh({"sp": nprocs})
+    params, batch = seq_lm_data()
+    pads = (0, {"input_ids": 0, "labels": -100, "num_tokens": 0})
+    annotated = ps.shard_map_seq(seq_lm_annotated, layout="zigzag", pad_values=pads)
+    explicit = ps.shard_map_seq(
+        seq_lm_body,
+        in_specs=(None, Batch(S1, S1, None)),
+        out_specs=R,
+        layout="zigzag",
+        pad_values=pads,
+    )
+    return {
+        "annotated": grad_and_value(annotated)(params, batch),
+        "explicit": grad_and_value(explicit)(params, batch),
+    }
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_shard_map_seq_annotations_match_explicit(pool, nprocs):
+    params, batch = seq_lm_data()
+    ref = grad_and_value(seq_lm_reference)(params, batch)
+    for out in pool.run(nprocs, _shard_map_seq_worker, nprocs):
+        close(out["annotated"], ref)
+        close(out["explicit"], ref)
+
+
+def test_shard_map_seq_annotation_errors():
+    def no_return(x: Seq):
+        return x
+
+    with pytest.raises(
+        TypeError,
+        match=re.escape("shard_map_seq(no_return): out_specs omitted and no_return has no return"),
+    ):
+        ps.shard_map_seq(no_return)
+
+    def split_kw(x: Seq, *, y: Seq = None) -> Seq:
+        return x
+
+    mapped = ps.shard_map_seq(split_kw)
+    ctx = contextvars.Context()
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "shard_map_seq(split_kw): keyword argument 'y' is annotated Shard(1), but keyword "
+            "arguments are passed whole to every rank; pass it positionally"
+        ),
+    ):
+        ctx.run(lambda: (ps.init_mesh({"sp": 1}), mapped(torch.ones(1, 3), y=torch.ones(1, 3))))
