@@ -11,12 +11,6 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-
-import pshard as ps
-from pshard._tree import tree_map
-from pshard.sequence._context import SeqContext, sequence_context
-from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
-from pshard.sequence._ring import BlockCounts, block_counts
 from test_seq_model import (
     BATCH_SPECS,
     PADS,
@@ -28,8 +22,19 @@ from test_seq_model import (
     ref_loss,
 )
 
+import pshard as ps
+from pshard._tree import tree_map
+from pshard.sequence._context import SeqContext, sequence_context
+from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
+from pshard.sequence._ring import BlockCounts, block_counts
+
 B, D = 2, 3
 TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+# torch.func.jvp scripts its decompositions on first use, which warns on torch 2.13
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
 
 
 def _configs(n: int) -> list[tuple[str, int, int, int, bool]]:
@@ -71,6 +76,10 @@ def _data(n: int, dtype=torch.float64) -> list:
     return data
 
 
+def _weighted(q, k, v, cot, causal):
+    return (ps.ring_attention(q, k, v, causal=causal) * cot).sum()
+
+
 def _worker(n: int, data: list) -> list:
     ps.init_mesh({"sp": n})
     r = ps.axis_index("sp")
@@ -83,10 +92,9 @@ def _worker(n: int, data: list) -> list:
             y = ps.ring_attention(*local, axis="sp", causal=causal)
             grads = torch.autograd.grad((y * cot).sum(), local)
 
-            def loss(q, k, v):
-                return (ps.ring_attention(q, k, v, causal=causal) * cot).sum()
-
-            fgrads = torch.func.grad(loss, argnums=(0, 1, 2))(*(t.detach() for t in local))
+            fgrads = torch.func.grad(_weighted, argnums=(0, 1, 2))(
+                *(t.detach() for t in local), cot, causal
+            )
         out.append((y.detach(), grads, fgrads))
     return out
 
@@ -213,38 +221,42 @@ def test_model_matches_single_process(pool, n: int) -> None:
 
 def _microbatch_worker(n: int) -> dict:
     """pmap_microbatch(grad_and_value(shard_map_seq(...))) with token weights equals the
-    whole batch."""
+    whole batch; an empty sequence gives loss 0 and zero gradients."""
     ps.init_mesh({"sp": n})
     params = init_params(4, 2, seed=3)
     batch = make_batch(4, 2 * n + 1, seed=7)
-
-    def sums(params: dict, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = forward(params, batch["input_ids"], ps.seq_positions(), _ring)
-        total, count = _sums(logits, batch["shift_labels"])
-        return ps.psum(total, "sp"), ps.psum(count, "sp")
-
-    mapped = ps.shard_map_seq(
-        sums,
+    batch["shift_labels"][1] = -100  # a row without targets: a microbatch of weight 0
+    loss = ps.shard_map_seq(
+        _local_loss,
         in_specs=(None, BATCH_SPECS),
-        out_specs=(ps.Replicate(), ps.Replicate()),
+        out_specs=ps.Replicate(),
         layout="zigzag",
         pad_values=(0, PADS),
     )
-    count = (batch["shift_labels"] != -100).sum()
-
-    def loss(params: dict, batch: dict) -> torch.Tensor:
-        return mapped(params, batch)[0] / count
-
-    grad = ps.pmap_microbatch(torch.func.grad(loss), num_microbatches=2, in_dims=(None, 0))(
-        params, batch
+    step = ps.pmap_microbatch(
+        torch.func.grad_and_value(loss),
+        num_microbatches=4,
+        in_specs=(None, ps.Shard(0)),
+        out_specs=ps.Partial("mean"),
+        weight_fn=lambda params, mb: (mb["shift_labels"] != -100).sum(),
     )
-    ref = torch.func.grad(ref_loss)(params, batch)
-    return {"grad": grad, "ref": ref}
+    grad, value = step(params, batch)
+    ref_grad, ref_value = torch.func.grad_and_value(ref_loss)(params, batch)
+    empty_grad, empty_value = torch.func.grad_and_value(loss)(params, make_batch(1, 0, seed=0))
+    return {
+        "grad": (grad, ref_grad),
+        "value": (value, ref_value),
+        "empty": (empty_value, tree_map(torch.zeros_like, empty_grad), empty_grad),
+    }
 
 
 def test_pmap_microbatch_around(pool) -> None:
     for res in pool.run(2, _microbatch_worker, 2):
-        _assert_tree_close(res["grad"], res["ref"], msg="pmap_microbatch")
+        _assert_tree_close(*res["grad"], msg="pmap_microbatch")
+        torch.testing.assert_close(*res["value"], **TOL)
+        value, zeros, grad = res["empty"]
+        assert value.item() == 0.0
+        _assert_tree_close(grad, zeros, msg="empty sequence")
 
 
 # --------------------------------------------------------------------------- the schedule
@@ -320,9 +332,13 @@ def test_saves_only_inputs_output_and_lse() -> None:
 def test_errors() -> None:
     ps.init_mesh({"sp": 1})
     q = torch.randn(1, 4, 3, 2)
-    with pytest.raises(ValueError, match=re.escape("ring_attention: q has 3 heads and k, v have 2")):
+    with pytest.raises(
+        ValueError, match=re.escape("ring_attention: q has 3 heads and k, v have 2")
+    ):
         ps.ring_attention(q, torch.randn(1, 4, 2, 2), torch.randn(1, 4, 2, 2))
-    with pytest.raises(TypeError, match=re.escape("ring_attention: q, k, v must have one floating")):
+    with pytest.raises(
+        TypeError, match=re.escape("ring_attention: q, k, v must have one floating")
+    ):
         ps.ring_attention(q, q.double(), q)
     with pytest.raises(ValueError, match=re.escape("ring_attention: seq_dim=3 is out of range")):
         ps.ring_attention(q, q, q, seq_dim=3)

@@ -112,7 +112,9 @@ def _plan(
         step = []
         for a in range(len(b) - 1):
             qs = mine[b[a] : b[a + 1]]
-            kinds = [_classify(qs, theirs[b[j] : b[j + 1]], length, causal) for j in range(len(b) - 1)]
+            kinds = [
+                _classify(qs, theirs[b[j] : b[j + 1]], length, causal) for j in range(len(b) - 1)
+            ]
             for x in kinds:
                 counts[x] += 1
             used = [j for j, x in enumerate(kinds) if x != "skip"]
@@ -215,10 +217,9 @@ def _ring_forward(q, k, v, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torc
             o_b = torch.matmul(p.to(v.dtype), vb[..., st.lo : st.hi, :]).to(acc)
             lse = torch.logaddexp(lses[st.q], lse_b)
             base = _finite(lse)
-            outs[st.q] = (
-                outs[st.q] * torch.exp(lses[st.q] - base).unsqueeze(-1)
-                + o_b * torch.exp(lse_b - base).unsqueeze(-1)
-            )
+            outs[st.q] = outs[st.q] * torch.exp(lses[st.q] - base).unsqueeze(-1) + o_b * torch.exp(
+                lse_b - base
+            ).unsqueeze(-1)
             lses[st.q] = lse
         kv = nxt
     out = _unfold(outs, spec.groups).to(q.dtype)
