@@ -346,6 +346,12 @@ def test_errors() -> None:
         torch.func.vmap(lambda x: ps.ring_attention(x, x, x))(q.unsqueeze(0))
     with pytest.raises(NotImplementedError, match=re.escape("ring_attention: forward-mode")):
         torch.func.jvp(lambda x: ps.ring_attention(x, x, x), (q,), (q,))
+    x = q.double().requires_grad_(True)
+    with pytest.raises(NotImplementedError, match=re.escape("ring_attention: higher-order")):
+        torch.func.grad(lambda x: torch.func.grad(_weighted)(x, x, x, x, True).sum())(x)
+    (g,) = torch.autograd.grad(_weighted(x, x, x, x, True), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match=re.escape("ring_attention: higher-order")):
+        g.sum().backward()
     lay = SeqLayout("zigzag", 5, 1)
     with sequence_context(SeqContext(("sp",), lay, 0, torch.device("cpu"))):
         with pytest.raises(

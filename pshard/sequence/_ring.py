@@ -267,6 +267,8 @@ def _ring_backward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):
 
 
 class _Ring(torch.autograd.Function):
+    """Forward ``(out, lse)``; backward through :class:`_RingGrad`."""
+
     @staticmethod
     def forward(q, k, v, c: raw.Comm, spec: _Spec):  # type: ignore[override]
         return _ring_forward(q, k, v, c, spec)
@@ -282,7 +284,7 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.c, ctx.spec)
+        dq, dk, dv = _call(_RingGrad, q, k, v, out, lse, dout, ctx.c, ctx.spec)
         return dq, dk, dv, None, None
 
     @staticmethod
@@ -298,6 +300,39 @@ class _Ring(torch.autograd.Function):
             f"{_FN}: torch.func.vmap over ring_attention is not supported; it already takes "
             f"any number of leading batch dims: stack the batch into q, k, v instead"
         )
+
+
+def _no_higher_order(*_: Any) -> Any:
+    raise NotImplementedError(
+        f"{_FN}: higher-order derivatives (grad of grad, hessian, backward with "
+        f"create_graph=True followed by another backward) are not supported; ring_attention "
+        f"has first-order gradients only"
+    )
+
+
+class _RingGrad(torch.autograd.Function):
+    """The backward as its own Function, so that differentiating it again raises instead of
+    silently missing the communication."""
+
+    @staticmethod
+    def forward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):  # type: ignore[override]
+        return _ring_backward(q, k, v, out, lse, dout, c, spec)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        _no_higher_order()
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        _no_higher_order()
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        _no_higher_order()
 
 
 # --------------------------------------------------------------------------- the public function
@@ -410,8 +445,8 @@ def ring_attention(
     memory-efficient backward that saves only ``q, k, v``, the output and the log-sum-exp,
     recomputes each block, and sends the key/value gradients (fp32) around the ring back to
     their owner. Forward-mode differentiation (``jvp``, ``jacfwd``), higher-order derivatives
-    and ``torch.func.vmap`` are not supported (the first two raise ``NotImplementedError``;
-    batch with leading dims instead of ``vmap``).
+    and ``torch.func.vmap`` are not supported: they raise ``NotImplementedError`` (batch with
+    leading dims instead of ``vmap``).
 
     Args:
         q, k, v: this rank's shard, ``(batch, seq, heads, head_size)`` by default (``seq_dim``,
