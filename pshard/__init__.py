@@ -1,5 +1,6 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from ._annotations import specs_of as specs_of
 from ._batch_dim import infer_out_specs as infer_out_specs
 from ._collectives import all_gather as all_gather
 from ._collectives import all_to_all as all_to_all
@@ -97,6 +98,7 @@ __all__ = [
     "shard_tensor",
     "spawn",
     "SpawnError",
+    "specs_of",
     "split",
     "StridedShard",
     "to_torch_placement",

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import _comm as raw
+from ._checks import check_int, normalize_dim
 from ._comm import Comm as _Comm
 from ._comm import Perm
 from ._comm import comm as _comm
@@ -319,23 +320,6 @@ def _map_leaves(
     return tree_unflatten(treedef, out)
 
 
-def _dim(
-    fn: str, arg: str, dim: int, x: torch.Tensor, path: Callable[[], str], extra: int = 0
-) -> int:
-    """Normalise a dim of ``x`` (``extra=1``: a new dim may be inserted at the end)."""
-    n = x.dim() + extra
-    try:
-        d = operator.index(dim)
-    except TypeError:
-        raise TypeError(f"{fn}: {arg} must be an int, got {dim!r}") from None
-    if not -n <= d < n:
-        raise ValueError(
-            f"{fn}: {arg}={dim} is out of range for {path()} with {x.dim()} dims "
-            f"(shape {tuple(x.shape)}); use {arg} in [{-n}, {n - 1}]"
-        )
-    return d % n
-
-
 def _divisible(
     fn: str, arg: str, d: int, x: torch.Tensor, path: Callable[[], str], size: int, name: str
 ) -> None:
@@ -441,7 +425,7 @@ def all_gather(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
     c = _comm(axis, "all_gather")
 
     def one(t: torch.Tensor, path: Callable[[], str]) -> torch.Tensor:
-        d = _dim("all_gather", "dim", dim, t, path, extra=0 if tiled else 1)
+        d = normalize_dim("all_gather", "dim", dim, t, what=path, extra=0 if tiled else 1)
         if c.group is None:
             return t if tiled else t.unsqueeze(d)
         return _call(_AllGather, t, c, d, bool(tiled))
@@ -466,7 +450,7 @@ def psum_scatter(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
     c = _comm(axis, "psum_scatter")
 
     def one(t: torch.Tensor, path: Callable[[], str]) -> torch.Tensor:
-        d = _dim("psum_scatter", "dim", dim, t, path)
+        d = normalize_dim("psum_scatter", "dim", dim, t, what=path)
         if tiled:
             _divisible("psum_scatter", "dim", d, t, path, c.size, c.name)
         elif t.shape[d] != c.size:
@@ -499,8 +483,8 @@ def all_to_all(x: T, axis: Axis, *, split_dim: int, concat_dim: int) -> T:
     c = _comm(axis, "all_to_all")
 
     def one(t: torch.Tensor, path: Callable[[], str]) -> torch.Tensor:
-        s = _dim("all_to_all", "split_dim", split_dim, t, path)
-        k = _dim("all_to_all", "concat_dim", concat_dim, t, path)
+        s = normalize_dim("all_to_all", "split_dim", split_dim, t, what=path)
+        k = normalize_dim("all_to_all", "concat_dim", concat_dim, t, what=path)
         if c.group is None:
             return t
         _divisible("all_to_all", "split_dim", s, t, path, c.size, c.name)
@@ -569,10 +553,7 @@ def broadcast(x: T, axis: Axis, *, src: int = 0) -> T:
         tensor([0, 1, 2])
     """
     c = _comm(axis, "broadcast")
-    try:
-        s = operator.index(src)
-    except TypeError:
-        raise TypeError(f"broadcast: src must be an int, got {src!r}") from None
+    s = check_int("broadcast", "src", src)
     if not 0 <= s < c.size:
         raise ValueError(
             f"broadcast: src={src} is not a rank of axis {c.name!r} of size {c.size}; use "

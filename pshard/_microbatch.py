@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from ._annotations import default_in_specs, default_out_specs
 from ._batch_dim import _out_specs_from_leaf_specs
+from ._checks import check_int
 from ._debug import debug_enabled
 from ._placements import Partial, Replicate, Shard
 from ._reduce import ReduceError, make_reducer, weight_value
@@ -37,17 +39,6 @@ def _fn_name(fn: Any) -> str:
     if isinstance(fn, functools.partial):
         return f"partial({_fn_name(fn.func)})"
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _check_count(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"pmap_microbatch: {name} must be an int, got {value!r} ({type(value).__name__})"
-        )
-    if value < 1:
-        raise ValueError(f"pmap_microbatch: {name} must be >= 1, got {value}")
 
 
 def _default_spec(leaf: Any) -> Shard | Replicate:
@@ -158,18 +149,22 @@ def pmap_microbatch(
             microbatches, sizes differing by at most one (so none exceeds it). Give exactly one
             of ``num_microbatches`` and ``microbatch_size``.
         in_specs: a prefix tree of the positional arguments (a tuple, one entry per argument,
-            or one spec for all) of ``Shard(d)``, ``Replicate()`` or ``None``. Default:
-            ``Shard(0)`` for every tensor with a dim and every ``BlockMask``, ``Replicate()``
-            for everything else (so give parameters ``None``).
+            or one spec for all) of ``Shard(d)``, ``Replicate()`` or ``None``. Default: the
+            specs annotated on ``fn``'s parameters and on the fields of dataclass arguments
+            (:func:`pshard.specs_of`; ``Replicate()`` for the rest), or, when nothing is
+            annotated, ``Shard(0)`` for every tensor with a dim and every ``BlockMask``,
+            ``Replicate()`` for everything else (so give parameters ``None``).
         kw_specs: the same for the keyword arguments (a prefix tree of the kwargs dict).
         out_specs: a prefix tree of ``fn``'s output of ``Shard(d)`` (concatenate),
             ``Partial("sum" | "mean" | "max" | "min")`` (reduce), ``Replicate()`` or ``None``
-            (take microbatch 0's). ``"infer"`` (default) finds them by batch-dim analysis
-            (:func:`pshard.infer_out_specs`, traced once per input signature on fake tensors):
-            outputs carrying the batch dim are ``Shard``, the others that depend on the batch
-            ``Partial("mean")``, the rest ``Replicate()``. Functions it cannot trace
-            (data-dependent control flow, ``.item()``, flex attention over a split ``BlockMask``)
-            need explicit ``out_specs``.
+            (take microbatch 0's). ``"infer"`` (default) takes them from ``fn``'s return
+            annotation (``-> Annotated[torch.Tensor, ps.Partial("mean")]``; not read through a
+            ``__wrapped__`` wrapper such as ``grad(f)``) or, without one, finds them by
+            batch-dim analysis (:func:`pshard.infer_out_specs`, traced once per input signature
+            on fake tensors): outputs carrying the batch dim are ``Shard``, the others that
+            depend on the batch ``Partial("mean")``, the rest ``Replicate()``. Functions it
+            cannot trace (data-dependent control flow, ``.item()``, flex attention over a split
+            ``BlockMask``) need explicit ``out_specs``.
         weight_fn: ``weight_fn(*mb_args, **mb_kwargs)`` gives each microbatch's weight (a
             non-negative number or one-element tensor, read once per microbatch) for every
             ``"mean"`` output. Default: the microbatch's size along the split dim.
@@ -213,8 +208,12 @@ def pmap_microbatch(
         >>> pred.shape, torch.allclose(mean, (x @ w).mean())
         (torch.Size([10]), True)
     """
-    _check_count("num_microbatches", num_microbatches)
-    _check_count("microbatch_size", microbatch_size)
+    for name, value in (
+        ("num_microbatches", num_microbatches),
+        ("microbatch_size", microbatch_size),
+    ):
+        if value is not None:
+            check_int("pmap_microbatch", name, value, minimum=1)
     if (num_microbatches is None) == (microbatch_size is None):
         given = (
             f"num_microbatches={num_microbatches}, microbatch_size={microbatch_size}"
@@ -278,10 +277,16 @@ def _resolve_in(specs: Any, leaves: list[Any], treedef: Any, name: str, where: s
 
 def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> Any:
     where = f"pmap_microbatch({_fn_name(fn)})"
+    in_specs, kw_specs = config.in_specs, config.kw_specs
+    if in_specs is None or (kw_specs is None and kwargs):
+        annotated = default_in_specs(fn, args, kwargs, transform="pmap_microbatch")
+        if annotated is not None:
+            in_specs = annotated[0] if in_specs is None else in_specs
+            kw_specs = annotated[1] if kw_specs is None else kw_specs
     arg_leaves, args_def = tree_flatten(args)
     kw_leaves, kwargs_def = tree_flatten(kwargs)
-    arg_specs = _resolve_in(config.in_specs, arg_leaves, args_def, "in_specs", where)
-    kw_leaf_specs = _resolve_in(config.kw_specs, kw_leaves, kwargs_def, "kw_specs", where)
+    arg_specs = _resolve_in(in_specs, arg_leaves, args_def, "in_specs", where)
+    kw_leaf_specs = _resolve_in(kw_specs, kw_leaves, kwargs_def, "kw_specs", where)
     leaves = arg_leaves + kw_leaves
     specs = arg_specs + kw_leaf_specs
     n_args = len(arg_leaves)
@@ -318,7 +323,9 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
     )
     out_specs = config.out_specs
     if isinstance(out_specs, str) and out_specs == "infer":
-        out_specs = _infer_out_specs(fn, args_def, kwargs_def, leaves, specs, name_of)
+        out_specs = default_out_specs(fn, transform="pmap_microbatch", required=False)
+        if out_specs is None:
+            out_specs = _infer_out_specs(fn, args_def, kwargs_def, leaves, specs, name_of)
 
     weight_fn = config.weight_fn
     reducers: list[Any] = []

@@ -18,6 +18,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from ._checks import check_int
+
 __all__ = [
     "Placement",
     "Shard",
@@ -33,13 +35,6 @@ _REDUCE_OPS = ("sum", "mean", "max", "min")
 # pshard reduce name -> torch.distributed.tensor.Partial reduce_op name
 _TO_TORCH_REDUCE = {"sum": "sum", "mean": "avg", "max": "max", "min": "min"}
 _FROM_TORCH_REDUCE = {v: k for k, v in _TO_TORCH_REDUCE.items()}
-
-
-def _check_int(owner: str, name: str, value: Any, *, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}: {name} must be an int, got {value!r} ({type(value).__name__})")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value}")
 
 
 class Placement:
@@ -68,7 +63,7 @@ class Shard(Placement):
     dim: int
 
     def __post_init__(self) -> None:
-        _check_int("Shard", "dim", self.dim)
+        check_int("Shard", "dim", self.dim)
 
     def __repr__(self) -> str:
         return f"Shard({self.dim})"
@@ -92,8 +87,8 @@ class StridedShard(Placement):
     split_factor: int
 
     def __post_init__(self) -> None:
-        _check_int("StridedShard", "dim", self.dim)
-        _check_int("StridedShard", "split_factor", self.split_factor, minimum=1)
+        check_int("StridedShard", "dim", self.dim)
+        check_int("StridedShard", "split_factor", self.split_factor, minimum=1)
 
     def __repr__(self) -> str:
         return f"StridedShard({self.dim}, split_factor={self.split_factor})"

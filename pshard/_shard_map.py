@@ -14,6 +14,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._annotations import check_out_annotation, default_in_specs, default_out_specs
 from ._boundary import BlockLayout, FromBlocks, PartialExtreme, ToBlock
 from ._comm import Comm
 from ._debug import debug_enabled
@@ -254,7 +255,8 @@ def shard_map(
     Uneven splits follow ``torch.chunk`` (DTensor's layout: the blocks are
     ``ps.shard_tensor(x, sizes, coordinate, placements)``); split outputs may be uneven too, their
     blocks' sizes are exchanged before the gather. Non-tensor leaves pass through unchanged
-    (only ``Replicate``/``None`` specs). Keyword arguments are passed whole (replicated).
+    (only ``Replicate``/``None`` specs). Keyword arguments are passed whole (replicated), unless
+    ``in_specs`` is omitted and their parameters carry spec annotations.
 
     Gradients (JAX's convention, ``check_vma=False``): outside the map values *and cotangents*
     are replicated over the mapped axes. Splitting an input transposes to an all-gather of the
@@ -274,9 +276,13 @@ def shard_map(
             decorator.
         mesh: the device mesh; default :func:`pshard.current_mesh` at call time. It is the
             current mesh while ``fn`` runs.
-        in_specs: a prefix tree of the positional arguments (a single spec applies to all);
-            ``None`` replicates every input.
-        out_specs: a prefix tree of ``fn``'s output. Required.
+        in_specs: a prefix tree of the positional arguments (a single spec applies to all).
+            Omitted: the specs annotated on ``fn``'s parameters and on the fields of dataclass
+            arguments (:func:`pshard.specs_of`), ``Replicate()`` for the rest; with no
+            annotations every input is replicated.
+        out_specs: a prefix tree of ``fn``'s output. Omitted: the spec annotated on ``fn``'s
+            return (``-> Annotated[torch.Tensor, ps.P()]``; not read through a ``__wrapped__``
+            wrapper such as ``torch.func.grad(f)``), which must then exist.
         axis_names: the mesh axes to map (a name or a collection); default all. Other axes are
             left to the caller: values may differ along them and ``fn`` may use them itself
             (e.g. a data-parallel ``"dp"`` axis around a sequence-parallel map over ``"sp"``).
@@ -289,7 +295,8 @@ def shard_map(
         The mapped function (or a decorator making one).
 
     Raises:
-        TypeError: ``out_specs`` is missing, or a spec is not a placement, ``P`` or ``None``.
+        TypeError: ``out_specs`` is omitted and ``fn``'s return annotation carries no spec, an
+            annotation cannot be resolved, or a spec is not a placement, ``P`` or ``None``.
         ValueError: a spec tree is not a prefix of the value, a ``P`` names an axis that is not
             mapped, a spec does not fit its tensor, a ``Partial`` input spec, or a ``check_rep``
             mismatch; messages name the key path (``in_specs[0]['x']``).
@@ -318,14 +325,8 @@ def shard_map(
         )
     if not callable(fn):
         raise TypeError(f"{_FN}: fn must be callable, got {describe(fn)}")
-    fn_name = getattr(fn, "__name__", type(fn).__name__)
     if out_specs is None:
-        raise TypeError(
-            f"{_FN}({fn_name}): out_specs is required (spec annotations on the return type are "
-            f"not read yet); pass out_specs=..., a prefix tree of {fn_name}'s output, e.g. "
-            f"ps.P() for an output that is the same on every rank or ps.P('sp') for one split "
-            f"along dim 0 over 'sp'"
-        )
+        check_out_annotation(fn, transform=_FN)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{_FN}: mesh must be a DeviceMesh, got {describe(mesh)}")
 
@@ -333,24 +334,32 @@ def shard_map(
     def mapped(*args: Any, **kwargs: Any) -> Any:
         m = _Mesh(current_mesh() if mesh is None else mesh, names)
         check = bool(check_rep) or m.debug
+        arg_specs, kw_specs = in_specs, None
+        if in_specs is None:
+            annotated = default_in_specs(fn, args, kwargs, transform=_FN)
+            if annotated is not None:
+                arg_specs, kw_specs = annotated
         paths, leaves, treedef = tree_flatten_with_path(args)
-        specs = resolve_specs(in_specs, leaves, treedef, name="in_specs", fn_name=_FN)
+        specs = resolve_specs(arg_specs, leaves, treedef, name="in_specs", fn_name=_FN)
         inner = [
             _enter(x, s, keystr(path, "in_specs"), m, check) if _tensor(x, s) else x
             for path, x, s in zip(paths, leaves, specs, strict=True)
         ]
         kw_paths, kw_leaves, kw_def = tree_flatten_with_path(kwargs)
-        replicate = Replicate()
+        kw_leaf_specs = (
+            [Replicate()] * len(kw_leaves)
+            if kw_specs is None
+            else resolve_specs(kw_specs, kw_leaves, kw_def, name="kwargs", fn_name=_FN)
+        )
         kw_inner = [
-            _enter(x, replicate, keystr(path, "kwargs"), m, check) if _tensor(x, replicate) else x
-            for path, x in zip(kw_paths, kw_leaves, strict=True)
+            _enter(x, s, keystr(path, "kwargs"), m, check) if _tensor(x, s) else x
+            for path, x, s in zip(kw_paths, kw_leaves, kw_leaf_specs, strict=True)
         ]
         with use_mesh(m.mesh):
             out = fn(*tree_unflatten(treedef, inner), **tree_unflatten(kw_def, kw_inner))
         out_paths, out_leaves, out_def = tree_flatten_with_path(out)
-        out_specs_flat = resolve_specs(
-            out_specs, out_leaves, out_def, name="out_specs", fn_name=_FN
-        )
+        out_tree = default_out_specs(fn, transform=_FN) if out_specs is None else out_specs
+        out_specs_flat = resolve_specs(out_tree, out_leaves, out_def, name="out_specs", fn_name=_FN)
         outer = [
             _exit(y, s, keystr(path, "out_specs"), m, check) if _tensor(y, s) else y
             for path, y, s in zip(out_paths, out_leaves, out_specs_flat, strict=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import numbers
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
@@ -35,6 +34,7 @@ import optree
 import torch
 from optree import PyTreeSpec
 
+from ._checks import check_int
 from ._debug import debug_enabled
 from ._placements import Partial, Replicate, Shard
 from ._reduce import ReduceError, make_reducer, weight_value
@@ -319,14 +319,6 @@ def _share_block_mask(mask: Any, sizes: Sequence[int]) -> list[Any]:
     return out
 
 
-def _check_count(where: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: {name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{where}: {name} must be >= 1, got {value}")
-    return int(value)
-
-
 def split(tree: Any, specs: Any, num_chunks: int) -> list[Any]:
     """Split a pytree into ``num_chunks`` chunks along the dims its specs name.
 
@@ -367,7 +359,7 @@ def split(tree: Any, specs: Any, num_chunks: int) -> list[Any]:
         >>> [c["x"].shape[0] for c in chunks], chunks[1]["lr"]
         ([3, 2], 0.1)
     """
-    k = _check_count("split", "num_chunks", num_chunks)
+    k = check_int("split", "num_chunks", num_chunks, minimum=1)
     leaves, treedef = tree_flatten(tree)
     checks = {"name": "specs", "fn_name": "split", "allowed": _SPLIT_SPECS}
     resolved = resolve_quick(specs, leaves, treedef, **checks)

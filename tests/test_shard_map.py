@@ -659,9 +659,9 @@ def test_argument_errors(mesh11: Any) -> None:
         return a
 
     missing = (
-        "shard_map(loss): out_specs is required (spec annotations on the return type are not "
-        "read yet); pass out_specs=..., a prefix tree of loss's output, e.g. ps.P() for an "
-        "output that is the same on every rank or ps.P('sp') for one split along dim 0 over 'sp'"
+        "shard_map(loss): out_specs omitted and the return annotation of loss carries no spec; "
+        "pass out_specs=... (a prefix tree of the output) or annotate the return, e.g. "
+        "-> Annotated[torch.Tensor, ps.Replicate()]"
     )
     with _raises(TypeError, missing):
         ps.shard_map(loss, in_specs=ps.P())

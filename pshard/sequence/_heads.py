@@ -16,12 +16,12 @@ layout), ``seq_len`` trims the gathered sequence back to its true length after
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .._checks import check_int, normalize_dim
 from .._collectives import all_to_all
 from .._mesh import Axis, resolve_axis
 from .._tree import describe
@@ -32,21 +32,7 @@ __all__ = ["seq_to_heads", "heads_to_seq"]
 def _dims(fn: str, x: Any, seq_dim: int, head_dim: int) -> tuple[int, int]:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: x must be a tensor, got {describe(x)}")
-    n = x.dim()
-    out = []
-    for name, d in (("seq_dim", seq_dim), ("head_dim", head_dim)):
-        try:
-            if isinstance(d, bool):
-                raise TypeError
-            d = operator.index(d)
-        except TypeError:
-            raise TypeError(f"{fn}: {name} must be an int, got {d!r}") from None
-        if not -n <= d < n:
-            raise ValueError(
-                f"{fn}: {name}={d} is out of range for x with {n} dims (shape "
-                f"{tuple(x.shape)}); use {name} in [{-n}, {n - 1}]"
-            )
-        out.append(d % n)
+    out = [normalize_dim(fn, "seq_dim", seq_dim, x), normalize_dim(fn, "head_dim", head_dim, x)]
     if out[0] == out[1]:
         raise ValueError(
             f"{fn}: seq_dim={seq_dim} and head_dim={head_dim} name the same dim of x (shape "
@@ -56,14 +42,7 @@ def _dims(fn: str, x: Any, seq_dim: int, head_dim: int) -> tuple[int, int]:
 
 
 def _packed(fn: str, x: torch.Tensor, head_dim: int, num_packed: Any) -> int:
-    try:
-        if isinstance(num_packed, bool):
-            raise TypeError
-        k = operator.index(num_packed)
-    except TypeError:
-        raise TypeError(f"{fn}: num_packed must be an int, got {num_packed!r}") from None
-    if k < 1:
-        raise ValueError(f"{fn}: num_packed must be >= 1, got {k}")
+    k = check_int(fn, "num_packed", num_packed, minimum=1)
     if x.shape[head_dim] % k:
         raise ValueError(
             f"{fn}: x.shape[{head_dim}] == {x.shape[head_dim]} (head_dim={head_dim}, shape "
@@ -76,15 +55,7 @@ def _packed(fn: str, x: torch.Tensor, head_dim: int, num_packed: Any) -> int:
 def _seq_len(fn: str, seq_len: Any) -> int | None:
     if seq_len is None:
         return None
-    try:
-        if isinstance(seq_len, bool):
-            raise TypeError
-        s = operator.index(seq_len)
-    except TypeError:
-        raise TypeError(f"{fn}: seq_len must be an int or None, got {seq_len!r}") from None
-    if s < 0:
-        raise ValueError(f"{fn}: seq_len must be >= 0, got {s}")
-    return s
+    return check_int(fn, "seq_len", seq_len, minimum=0)
 
 
 def _split_groups(x: torch.Tensor, seq_dim: int, head_dim: int, k: int) -> tuple:

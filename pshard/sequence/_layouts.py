@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .._checks import check_int
 
 __all__ = ["LAYOUTS", "SeqLayout", "check_layout", "pad_permute", "unpermute_unpad"]
 
@@ -52,18 +53,6 @@ def check_layout(layout: Any, fn: str) -> str:
             f"{fn}: layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}"
         )
     return layout
-
-
-def _count(fn: str, name: str, value: Any, minimum: int) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{fn}: {name} must be an int, got {value!r}") from None
-    if v < minimum:
-        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {v}")
-    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +85,8 @@ class SeqLayout:
 
     def __post_init__(self) -> None:
         check_layout(self.kind, "SeqLayout")
-        _count("SeqLayout", "length", self.length, 0)
-        _count("SeqLayout", "size", self.size, 1)
+        check_int("SeqLayout", "length", self.length, minimum=0)
+        check_int("SeqLayout", "size", self.size, minimum=1)
 
     @property
     def multiple(self) -> int:
@@ -120,7 +109,7 @@ class SeqLayout:
         return self.padded_length - self.length
 
     def _rank(self, rank: Any) -> int:
-        r = _count("SeqLayout", "rank", rank, 0)
+        r = check_int("SeqLayout", "rank", rank, minimum=0)
         if r >= self.size:
             raise ValueError(f"SeqLayout: rank {r} is out of range for {self.size} ranks")
         return r

@@ -15,30 +15,18 @@ Two bugs recur in sequence-parallel training code, and these two functions remov
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .._checks import check_int
 from .._collectives import psum
 from .._mesh import Axis
 from .._tree import describe
 
 __all__ = ["prepare_lm_batch", "token_mean_loss"]
-
-
-def _int(fn: str, name: str, value: Any, minimum: int | None = None) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{fn}: {name} must be an int, got {describe(value)}") from None
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {v}")
-    return v
 
 
 def prepare_lm_batch(
@@ -94,7 +82,7 @@ def prepare_lm_batch(
         raise TypeError(
             f"{fn}: batch must be a Mapping (dict, BatchEncoding) of tensors, got {describe(batch)}"
         )
-    ignore_index = _int(fn, "ignore_index", ignore_index)
+    ignore_index = check_int(fn, "ignore_index", ignore_index)
     out = dict(batch)
     labels = out.get("labels")
     ids = out.get("input_ids")
@@ -137,7 +125,7 @@ def prepare_lm_batch(
         )
     keep = out.get("logits_to_keep") if logits_to_keep is None else logits_to_keep
     if keep is not None and not isinstance(keep, torch.Tensor):
-        k = _int(fn, "logits_to_keep", keep, minimum=0)
+        k = check_int(fn, "logits_to_keep", keep, minimum=0)
         positions = torch.arange(seq_len, device=labels.device)
         keep = positions >= (seq_len - k if k else 0)
     if keep is not None:

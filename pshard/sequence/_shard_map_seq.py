@@ -21,15 +21,17 @@ from typing import Any, TypeVar, overload
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._annotations import check_out_annotation, default_in_specs, default_out_specs
 from .._mesh import current_mesh, resolve_axis
 from .._placements import P, Partial, Replicate, Shard, StridedShard
 from .._shard_map import shard_map
-from .._specs import broadcast_prefix_flat, resolve_specs
+from .._specs import broadcast_prefix_flat, is_split, resolve_specs
 from .._tree import (
     describe,
     is_block_mask,
     keystr,
     tree_flatten_with_path,
+    tree_leaves,
     tree_unflatten,
 )
 from ._context import SeqContext, normalize_axis, sequence_context
@@ -72,6 +74,19 @@ def _pad_value(value: Any, where: str) -> Any:
     raise TypeError(
         f"{_FN} {where}: a pad value must be a number (or None for 0), got {describe(value)}"
     )
+
+
+def _check_kw_specs(kw_specs: dict[str, Any] | None, fn_name: str) -> None:
+    """Keyword arguments are passed whole (as in shard_map): an annotation asking to split one
+    is an error rather than a silent replicate."""
+    for name, spec in (kw_specs or {}).items():
+        split = [leaf for leaf in tree_leaves(spec, none_is_leaf=True) if is_split(leaf)]
+        if split:
+            raise ValueError(
+                f"{_FN}({fn_name}): keyword argument {name!r} is annotated {split[0]!r}, but "
+                f"keyword arguments are passed whole to every rank; pass it positionally to "
+                f"split it along the sequence"
+            )
 
 
 @overload
@@ -145,9 +160,11 @@ def shard_map_seq(
         mesh: the device mesh (default: the current mesh at call time).
         in_specs: a prefix tree of the positional args: ``Shard(d)`` (a sequence dim),
             ``Replicate()`` or ``None``. All ``Shard`` inputs must have the same length along
-            their dim. Keyword arguments are replicated.
+            their dim. Keyword arguments are replicated. When omitted, read from ``fn``'s
+            parameter annotations and the ``specs_of`` of dataclass arguments.
         out_specs: a prefix tree of ``fn``'s output: ``Shard(d)`` (each rank returns its
-            tokens along ``d``), ``Replicate()``/``None``, or ``Partial(reduce)``. Required.
+            tokens along ``d``), ``Replicate()``/``None``, or ``Partial(reduce)``. When
+            omitted, read from ``fn``'s return annotation (an error if it has none).
         layout: ``"contiguous"``, ``"zigzag"`` or ``"stripe"``.
         pad_values: what padding tokens hold, a number or a prefix tree of the positional
             args, e.g. ``(0, {"input_ids": 0, "labels": -100})``.
@@ -186,10 +203,7 @@ def shard_map_seq(
         raise TypeError(f"{_FN}: fn must be callable, got {describe(fn)}")
     fn_name = getattr(fn, "__name__", type(fn).__name__)
     if out_specs is None:
-        raise TypeError(
-            f"{_FN}({fn_name}): out_specs is required; pass a prefix tree of {fn_name}'s output, "
-            f"e.g. ps.Shard(1) for per-token outputs or ps.Replicate() for a reduced loss"
-        )
+        check_out_annotation(fn, transform=_FN)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{_FN}: mesh must be a DeviceMesh, got {describe(mesh)}")
     key = normalize_axis(axis)
@@ -198,8 +212,15 @@ def shard_map_seq(
     def mapped(*args: Any, **kwargs: Any) -> Any:
         m = current_mesh() if mesh is None else mesh
         info = resolve_axis(names, mesh=m, fn=_FN)
+        arg_specs = in_specs
+        if in_specs is None:
+            annotated = default_in_specs(fn, args, kwargs, transform=_FN)
+            if annotated is not None:
+                arg_specs, kw_specs = annotated
+                _check_kw_specs(kw_specs, fn_name)
+        out_tree = default_out_specs(fn, transform=_FN) if out_specs is None else out_specs
         paths, leaves, treedef = tree_flatten_with_path(args)
-        specs = resolve_specs(in_specs, leaves, treedef, name="in_specs", fn_name=_FN)
+        specs = resolve_specs(arg_specs, leaves, treedef, name="in_specs", fn_name=_FN)
         pads = broadcast_prefix_flat(pad_values, treedef, leaves, name="pad_values", fn_name=_FN)
         length = first = device = None
         dims: list[int | None] = []
@@ -244,7 +265,7 @@ def shard_map_seq(
             with sequence_context(ctx):
                 out = fn(*tree_unflatten(treedef, flat_inner), **kw)
             out_paths, out_leaves, out_def = tree_flatten_with_path(out)
-            out_flat = resolve_specs(out_specs, out_leaves, out_def, name="out_specs", fn_name=_FN)
+            out_flat = resolve_specs(out_tree, out_leaves, out_def, name="out_specs", fn_name=_FN)
             for path, y, spec in zip(out_paths, out_leaves, out_flat, strict=True):
                 where = keystr(path, "out_specs")
                 _check_spec(spec, where, outputs=True)
@@ -262,11 +283,11 @@ def shard_map_seq(
             body,
             mesh=m,
             in_specs=(inner_specs,),
-            out_specs=out_specs,
+            out_specs=out_tree,
             axis_names=names,
         )(flat, **kwargs)
         out_paths, out_leaves, out_def = tree_flatten_with_path(out)
-        out_flat = resolve_specs(out_specs, out_leaves, out_def, name="out_specs", fn_name=_FN)
+        out_flat = resolve_specs(out_tree, out_leaves, out_def, name="out_specs", fn_name=_FN)
         return tree_unflatten(
             out_def,
             [

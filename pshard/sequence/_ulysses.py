@@ -13,13 +13,13 @@ second all-to-all; padded tokens get zeros and never act as keys.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .._checks import normalize_dim
 from .._mesh import Axis, resolve_axis
 from .._tree import describe
 from ._context import find_context
@@ -33,18 +33,7 @@ _FN = "ulysses_attention"
 
 def _dim(name: str, d: Any, q: torch.Tensor) -> int:
     n = q.dim()
-    try:
-        if isinstance(d, bool):
-            raise TypeError
-        d = operator.index(d)
-    except TypeError:
-        raise TypeError(f"{_FN}: {name} must be an int, got {d!r}") from None
-    if not -n <= d < n:
-        raise ValueError(
-            f"{_FN}: {name}={d} is out of range for q with {n} dims (shape {tuple(q.shape)}); "
-            f"use {name} in [{-n}, {n - 2}] (the last dim is the head size)"
-        )
-    d %= n
+    d = normalize_dim(_FN, name, d, q, what="q")
     if d == n - 1:
         raise ValueError(
             f"{_FN}: {name}={d} names the last dim of q (shape {tuple(q.shape)}), which is the "
