@@ -48,6 +48,7 @@ from .sequence._hooks import reduce_gradients as reduce_gradients
 from .sequence._hooks import sequence_parallel as sequence_parallel
 from .sequence._lm import prepare_lm_batch as prepare_lm_batch
 from .sequence._lm import token_mean_loss as token_mean_loss
+from .sequence._ring import ring_attention as ring_attention
 from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
 from .sequence._ulysses import ulysses_attention as ulysses_attention
 
@@ -85,6 +86,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "reduce_gradients",
+    "ring_attention",
     "Replicate",
     "seq_positions",
     "seq_to_heads",

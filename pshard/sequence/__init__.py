@@ -10,6 +10,8 @@ Private modules, one concept each (the public names are re-exported by ``pshard`
 - ``_heads``: the Ulysses all-to-alls between sequence-sharded and head-sharded tensors
   (``seq_to_heads`` / ``heads_to_seq``).
 - ``_ulysses``: ``ulysses_attention``.
+- ``_ring``: ``ring_attention`` (K/V blocks around the axis, online softmax, skipped masked
+  blocks, a recomputing backward).
 - ``_lm``: causal-LM batches and losses (``prepare_lm_batch``, ``token_mean_loss``).
 - ``_hooks``: ``sequence_parallel`` module hooks and ``reduce_gradients``.
 - ``_broadcast``: every rank's batch in turn to the whole axis (``broadcast_batches``).

@@ -1,0 +1,364 @@
+"""ring_attention against single-process attention over the whole sequence (float64, forward
+and gradients through .backward() and torch.func.grad) on 1, 2 and 4 ranks, under every layout,
+lengths not divisible by the axis size, GQA, causal or not; float32 against float64; the tiny
+LM of the Ulysses tests with ring_attention against the single-process model (also under
+pmap_microbatch); the skipped-block schedule per layout; saved activations; pinned errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_seq_model import (
+    BATCH_SPECS,
+    PADS,
+    _assert_tree_close,
+    _sums,
+    forward,
+    init_params,
+    make_batch,
+    ref_loss,
+)
+
+import pshard as ps
+from pshard._tree import tree_map
+from pshard.sequence._context import SeqContext, sequence_context
+from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
+from pshard.sequence._ring import BlockCounts, block_counts
+
+B, D = 2, 3
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+# torch.func.jvp scripts its decompositions on first use, which warns on torch 2.13
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
+
+
+def _configs(n: int) -> list[tuple[str, int, int, int, bool]]:
+    """(layout, seq_len, query heads, kv heads, causal)."""
+    out = []
+    for kind in LAYOUTS:
+        for s in (2 * n + 1, 4 * n, max(n - 1, 1)):
+            for hq, hkv in ((2, 2), (4, 1)):
+                for causal in (False, True):
+                    out.append((kind, s, hq, hkv, causal))
+    return out
+
+
+def _reference(q, k, v, causal):
+    """(B, S, H, D) inputs, plain SDPA over the whole sequence."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def _local(x: torch.Tensor, lay: SeqLayout, r: int) -> torch.Tensor:
+    return pad_permute(x, 1, lay, 0.0).chunk(lay.size, 1)[r]
+
+
+def _data(n: int, dtype=torch.float64) -> list:
+    torch.manual_seed(n)
+    data = []
+    for _, s, hq, hkv, _ in _configs(n):
+        q = torch.randn(B, s, hq, D, dtype=dtype)
+        k = torch.randn(B, s, hkv, D, dtype=dtype)
+        v = torch.randn(B, s, hkv, D + 1, dtype=dtype)  # another head size for v
+        c = torch.randn(B, s, hq, D + 1, dtype=dtype)
+        data.append((q, k, v, c))
+    return data
+
+
+def _weighted(q, k, v, cot, causal):
+    return (ps.ring_attention(q, k, v, causal=causal) * cot).sum()
+
+
+def _worker(n: int, data: list) -> list:
+    ps.init_mesh({"sp": n})
+    r = ps.axis_index("sp")
+    out = []
+    for (kind, s, _, _, causal), (q, k, v, c) in zip(_configs(n), data, strict=True):
+        lay = SeqLayout(kind, s, n)
+        local = [_local(t, lay, r).requires_grad_(True) for t in (q, k, v)]
+        cot = _local(c, lay, r)
+        with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
+            y = ps.ring_attention(*local, axis="sp", causal=causal)
+            grads = torch.autograd.grad((y * cot).sum(), local)
+
+            fgrads = torch.func.grad(_weighted, argnums=(0, 1, 2))(
+                *(t.detach() for t in local), cot, causal
+            )
+        out.append((y.detach(), grads, fgrads))
+    return out
+
+
+def _check(n: int, data: list, got: list, tol: dict) -> None:
+    for i, ((kind, s, hq, hkv, causal), (q, k, v, c)) in enumerate(
+        zip(_configs(n), data, strict=True)
+    ):
+        lay = SeqLayout(kind, s, n)
+        inputs = [t.to(torch.float64).requires_grad_(True) for t in (q, k, v)]
+        ref = _reference(*inputs, causal)
+        ref_grads = torch.autograd.grad((ref * c.to(torch.float64)).sum(), inputs)
+        for r in range(n):
+            y, grads, fgrads = got[r][i]
+            msg = f"rank {r} config {(kind, s, hq, hkv, causal)}"
+            assert y.dtype == q.dtype, msg
+            want = _local(ref.detach(), lay, r).to(q.dtype)
+            real = torch.tensor(lay.is_pad(r)).logical_not().view(1, -1, 1, 1)
+            torch.testing.assert_close(y, want * real, msg=msg, **tol)  # padding rows are 0
+            for g, fg, rg in zip(grads, fgrads, ref_grads, strict=True):
+                torch.testing.assert_close(g, _local(rg, lay, r).to(q.dtype), msg=msg, **tol)
+                torch.testing.assert_close(fg, g, msg=msg, **tol)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_against_full_attention(pool, n: int) -> None:
+    data = _data(n)
+    _check(n, data, pool.run(n, _worker, n, data), TOL)
+
+
+def test_float32_relative_error(pool) -> None:
+    """float32 inputs against the float64 reference: relative error <= 1e-5."""
+    n = 4
+    data = _data(n, torch.float32)
+    _check(n, data, pool.run(n, _worker, n, data), {"rtol": 1e-5, "atol": 1e-6})
+
+
+# --------------------------------------------------------------------------- layout, dims
+
+
+def _outside_worker(n: int, q, k, v) -> dict:
+    """Outside shard_map_seq: contiguous, unpadded; other seq/head dims; a scale."""
+    ps.init_mesh({"sp": n})
+    r = ps.axis_index("sp")
+    mine = [t.chunk(n, 1)[r] for t in (q, k, v)]
+    plain = ps.ring_attention(*mine, causal=True)
+    moved = ps.ring_attention(
+        *(t.permute(2, 0, 1, 3) for t in mine), seq_dim=2, head_dim=0, causal=True, scale=0.3
+    )
+    return {"plain": plain, "moved": moved.permute(1, 2, 0, 3)}
+
+
+def test_outside_shard_map_seq_and_dims(pool) -> None:
+    n = 2
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, 6, 4, D, dtype=torch.float64) for _ in range(3))
+    got = pool.run(n, _outside_worker, n, q, k, v)
+    ref = _reference(q, k, v, True)
+    scaled = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=0.3
+    ).transpose(1, 2)
+    for r in range(n):
+        torch.testing.assert_close(got[r]["plain"], ref.chunk(n, 1)[r], **TOL)
+        torch.testing.assert_close(got[r]["moved"], scaled.chunk(n, 1)[r], **TOL)
+
+
+# --------------------------------------------------------------------------- the tiny LM
+
+
+def _ring(q, k, v):
+    return ps.ring_attention(q, k, v, axis="sp", causal=True)
+
+
+def _local_loss(params: dict, batch: dict) -> torch.Tensor:
+    logits = forward(params, batch["input_ids"], ps.seq_positions(), _ring)
+    return ps.token_mean_loss(*_sums(logits, batch["shift_labels"]), "sp")
+
+
+def _lm_configs(n: int) -> list[tuple[str, int, int, int]]:
+    return [
+        (kind, s, hq, hkv)
+        for kind in LAYOUTS
+        for s, (hq, hkv) in ((2 * n + 3, (4, 4)), (n + 1, (4, 1)), (3 * n, (4, 2)))
+    ]
+
+
+def _model_worker(n: int) -> list:
+    ps.init_mesh({"sp": n})
+    out = []
+    for i, (kind, s, hq, hkv) in enumerate(_lm_configs(n)):
+        params = init_params(hq, hkv, seed=i)
+        batch = make_batch(2, s, seed=100 + i)
+        loss = ps.shard_map_seq(
+            _local_loss,
+            in_specs=(None, BATCH_SPECS),
+            out_specs=ps.Replicate(),
+            layout=kind,
+            pad_values=(0, PADS),
+        )
+        ref_grad, ref_value = torch.func.grad_and_value(ref_loss)(params, batch)
+        grad, value = torch.func.grad_and_value(loss)(params, batch)
+        leaves = tree_map(lambda t: t.detach().requires_grad_(True), params)
+        loss(leaves, batch).backward()
+        out.append(
+            {
+                "value": (value, ref_value),
+                "grad": (grad, ref_grad),
+                "backward": tree_map(lambda t: t.grad, leaves),
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_model_matches_single_process(pool, n: int) -> None:
+    results = pool.run(n, _model_worker, n, timeout=300)
+    for r, per_rank in enumerate(results):
+        for config, res in zip(_lm_configs(n), per_rank, strict=True):
+            msg = f"rank {r} {config}"
+            torch.testing.assert_close(*res["value"], msg=msg, **TOL)
+            _assert_tree_close(*res["grad"], msg=msg)
+            _assert_tree_close(res["backward"], res["grad"][1], msg=msg)
+
+
+def _microbatch_worker(n: int) -> dict:
+    """pmap_microbatch(grad_and_value(shard_map_seq(...))) with token weights equals the
+    whole batch; an empty sequence gives loss 0 and zero gradients."""
+    ps.init_mesh({"sp": n})
+    params = init_params(4, 2, seed=3)
+    batch = make_batch(4, 2 * n + 1, seed=7)
+    batch["shift_labels"][1] = -100  # a row without targets: a microbatch of weight 0
+    loss = ps.shard_map_seq(
+        _local_loss,
+        in_specs=(None, BATCH_SPECS),
+        out_specs=ps.Replicate(),
+        layout="zigzag",
+        pad_values=(0, PADS),
+    )
+    step = ps.pmap_microbatch(
+        torch.func.grad_and_value(loss),
+        num_microbatches=4,
+        in_specs=(None, ps.Shard(0)),
+        out_specs=ps.Partial("mean"),
+        weight_fn=lambda params, mb: (mb["shift_labels"] != -100).sum(),
+    )
+    grad, value = step(params, batch)
+    ref_grad, ref_value = torch.func.grad_and_value(ref_loss)(params, batch)
+    empty_grad, empty_value = torch.func.grad_and_value(loss)(params, make_batch(1, 0, seed=0))
+    return {
+        "grad": (grad, ref_grad),
+        "value": (value, ref_value),
+        "empty": (empty_value, tree_map(torch.zeros_like, empty_grad), empty_grad),
+    }
+
+
+def test_pmap_microbatch_around(pool) -> None:
+    for res in pool.run(2, _microbatch_worker, 2):
+        _assert_tree_close(*res["grad"], msg="pmap_microbatch")
+        torch.testing.assert_close(*res["value"], **TOL)
+        value, zeros, grad = res["empty"]
+        assert value.item() == 0.0
+        _assert_tree_close(grad, zeros, msg="empty sequence")
+
+
+# --------------------------------------------------------------------------- the schedule
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_block_counts(n: int) -> None:
+    s = 16 * n
+    zig = block_counts("zigzag", s, n, causal=True)
+    assert max(c.work for c in zig) <= 1.1 * min(c.work for c in zig)
+    assert {c.work for c in zig} == {2.0 * n}  # half of the 4 n^2 chunk pairs, over n ranks
+    contig = block_counts("contiguous", s, n, causal=True)
+    assert [c.work for c in contig] == [4.0 * r + 2 for r in range(n)]
+    assert contig[-1].work / contig[0].work == 2 * n - 1
+    stripe = block_counts("stripe", s, n, causal=True)
+    assert len({c.work for c in stripe}) == 1
+    for kind in LAYOUTS:  # nothing skipped without a mask, one chunk per rank
+        assert block_counts(kind, s, n, causal=False) == (BlockCounts(n, 0, 0),) * n
+        total = sum(c.work for c in block_counts(kind, s, n, causal=True))
+        assert total == 2 * n * n  # causal attention is half the 4 n^2 pairs
+    padded = block_counts("zigzag", 4 * n - 3, n, causal=False)  # a padded, unmasked layout
+    assert all(c.partial for c in padded) or n == 1
+
+
+def _count_worker(n: int, s: int, kind: str) -> int:
+    """Blocks the kernel actually computes: score matmuls against key rows, counted."""
+    ps.init_mesh({"sp": n})
+    r = ps.axis_index("sp")
+    lay = SeqLayout(kind, s, n)
+    q = torch.randn(1, lay.local_length, 1, 2)
+    rows = 0
+    real = torch.matmul
+
+    def counting(a, b):
+        nonlocal rows
+        if b.shape[-2] == 2:  # q @ k^T: (.., lq, 2) @ (.., 2, lk)
+            rows += a.shape[-2] * b.shape[-1]
+        return real(a, b)
+
+    torch.matmul = counting
+    try:
+        with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
+            ps.ring_attention(q, q, q, causal=True)
+    finally:
+        torch.matmul = real
+    return rows
+
+
+def test_kernel_skips_masked_blocks(pool) -> None:
+    n, s = 4, 32
+    for kind in LAYOUTS:
+        rows = pool.run(n, _count_worker, n, s, kind)
+        chunk = s // n // 2
+        want = [(c.full + c.partial) * chunk * chunk for c in block_counts(kind, s, n, True)]
+        assert rows == want, kind
+
+
+# --------------------------------------------------------------------------- memory, errors
+
+
+def test_saves_only_inputs_output_and_lse() -> None:
+    ps.init_mesh({"sp": 1})
+    q, k, v = (torch.randn(2, 64, 4, 8, requires_grad=True) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = ps.ring_attention(q, k, v, causal=True)
+    # q, k, v, out (2 * 64 * 4 * 8 each) and lse (2 * 4 * 64): no s x s tensor
+    assert sorted(t.numel() for t in saved) == [512] + [4096] * 4
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_errors() -> None:
+    ps.init_mesh({"sp": 1})
+    q = torch.randn(1, 4, 3, 2)
+    with pytest.raises(
+        ValueError, match=re.escape("ring_attention: q has 3 heads and k, v have 2")
+    ):
+        ps.ring_attention(q, torch.randn(1, 4, 2, 2), torch.randn(1, 4, 2, 2))
+    with pytest.raises(
+        TypeError, match=re.escape("ring_attention: q, k, v must have one floating")
+    ):
+        ps.ring_attention(q, q.double(), q)
+    with pytest.raises(ValueError, match=re.escape("ring_attention: seq_dim=3 is out of range")):
+        ps.ring_attention(q, q, q, seq_dim=3)
+    with pytest.raises(NotImplementedError, match=re.escape("ring_attention: torch.func.vmap")):
+        torch.func.vmap(lambda x: ps.ring_attention(x, x, x))(q.unsqueeze(0))
+    with pytest.raises(NotImplementedError, match=re.escape("ring_attention: forward-mode")):
+        torch.func.jvp(lambda x: ps.ring_attention(x, x, x), (q,), (q,))
+    x = q.double().requires_grad_(True)
+    with pytest.raises(NotImplementedError, match=re.escape("ring_attention: higher-order")):
+        torch.func.grad(lambda x: torch.func.grad(_weighted)(x, x, x, x, True).sum())(x)
+    (g,) = torch.autograd.grad(_weighted(x, x, x, x, True), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match=re.escape("ring_attention: higher-order")):
+        g.sum().backward()
+    lay = SeqLayout("zigzag", 5, 1)
+    with sequence_context(SeqContext(("sp",), lay, 0, torch.device("cpu"))):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "ring_attention: q has 4 tokens along seq_dim=1 (shape (1, 4, 3, 2)) but "
+                "shard_map_seq gave this rank 6 (a sequence of 5 on 1 ranks, zigzag layout)"
+            ),
+        ):
+            ps.ring_attention(q, q, q)
