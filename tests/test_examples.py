@@ -10,7 +10,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script,args", [("quickstart.py", ["--nprocs", "2"])])
+@pytest.mark.parametrize(
+    "script,args",
+    [
+        ("quickstart.py", ["--nprocs", "2", "--steps", "3"]),
+        ("quickstart.py", ["--attention", "ring", "--microbatches", "3", "--steps", "2"]),
+        ("layouts.py", []),
+        ("microbatch.py", []),
+        ("attention.py", ["--nprocs", "2"]),
+        ("module_hooks.py", ["--nprocs", "2"]),
+    ],
+)
 def test_example_runs(script, args):
     env = {
         **os.environ,
