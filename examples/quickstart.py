@@ -120,7 +120,7 @@ def make_batch(step: int, rows: int, seq: int, device: torch.device) -> dict:
 
 
 # ----------------------------------------------------------------------------- AdamW on a dict
-def adamw(params: dict, grads: dict, state: dict, lr: float = 3e-3, wd: float = 0.01) -> dict:
+def adamw(params: dict, grads: dict, state: dict, lr: float = 1e-2, wd: float = 0.01) -> dict:
     b1, b2, eps = 0.9, 0.95, 1e-8
     state["t"] = t = state.get("t", 0) + 1
     m = state.setdefault("m", {k: torch.zeros_like(p) for k, p in params.items()})
@@ -149,6 +149,8 @@ def rank_main(args: argparse.Namespace) -> list[float]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        # ranks share the CPU cores: oversubscribed threads make gloo's collectives crawl
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     sp = args.sp or world
     if world % sp:
         raise SystemExit(f"--sp {sp} must divide the number of ranks ({world})")
@@ -257,7 +259,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--attention", choices=("ulysses", "ring"), default="ulysses")
     parser.add_argument("--layout", choices=("contiguous", "zigzag", "stripe"), default="zigzag")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="rows per step")
     parser.add_argument("--seq", type=int, default=61, help="tokens per row (need not divide)")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
