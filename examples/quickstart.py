@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of (batch, seq, heads, head_dim) from the tokens' global positions."""
     freq = 1.0 / 100.0 ** (torch.arange(0, HEAD_DIM, 2, device=x.device, dtype=x.dtype) / HEAD_DIM)
-    angle = pos.to(x.dtype)[:, None, None] * freq  # (seq, 1, head_dim / 2)
+    angle = pos.to(device=x.device, dtype=x.dtype)[:, None, None] * freq  # (seq, 1, head_dim / 2)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     cos, sin = angle.cos(), angle.sin()
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2)
@@ -217,13 +217,13 @@ def rank_main(args: argparse.Namespace) -> list[float]:
     return curve
 
 
-def reference_curve(args: argparse.Namespace) -> list[float]:
+def reference_curve(args: argparse.Namespace, device: torch.device) -> list[float]:
     """The same training in one process: no split, no microbatches, full attention."""
-    dtype, device = getattr(torch, args.dtype), torch.device("cpu")
+    dtype = getattr(torch, args.dtype)
     params, state, curve = init_params(dtype, device), {}, []
 
     def loss(params: dict, batch: dict) -> torch.Tensor:
-        pos = torch.arange(batch["input_ids"].shape[1])
+        pos = torch.arange(batch["input_ids"].shape[1], device=device)
         total, count = sums(
             forward(params, batch["input_ids"], pos, full_attention), batch["shift_labels"]
         )
@@ -238,8 +238,8 @@ def reference_curve(args: argparse.Namespace) -> list[float]:
     return curve
 
 
-def check(curves: list[list[float]], args: argparse.Namespace) -> None:
-    ref = reference_curve(args)
+def check(curves: list[list[float]], args: argparse.Namespace, device: torch.device) -> None:
+    ref = reference_curve(args, device)
     worst = max(abs(a - b) for curve in curves for a, b in zip(curve, ref, strict=True))
     tol = 1e-9 if args.dtype == "float64" else 1e-3
     print(f"single process: first loss {ref[0]:.6f}, last loss {ref[-1]:.6f}")
@@ -267,13 +267,17 @@ def main() -> None:
 
     if "LOCAL_RANK" in os.environ:  # under torchrun: this process is one rank
         curve = rank_main(args)
-        curves = [torch.tensor(0.0)] * dist.get_world_size()
+        curves = [None] * dist.get_world_size()
         dist.all_gather_object(curves, curve)
         if dist.get_rank() == 0:
-            check(curves, args)
+            check(
+                curves,
+                args,
+                torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"),
+            )
         dist.destroy_process_group()
     else:
-        check(ps.spawn(rank_main, args, nprocs=args.nprocs), args)
+        check(ps.spawn(rank_main, args, nprocs=args.nprocs), args, torch.device("cpu"))
 
 
 if __name__ == "__main__":
