@@ -204,7 +204,8 @@ def _ring_forward(q, k, v, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torc
     for t in range(n):
         src = (r - t) % n
         kb, vb = (k, v) if t == 0 else kv.split([dk, kv.shape[-1] - dk], -1)
-        nxt = raw.ppermute(kv, c, perm) if t < n - 1 else None
+        # The next block travels while this one is computed against.
+        nxt, pending = raw.ppermute_start(kv, c, perm) if t < n - 1 else (None, [])
         for st in steps[t]:
             mask = (
                 _mask(spec, r, src, (b[st.q], b[st.q + 1]), (st.lo, st.hi), q.device)
@@ -221,6 +222,7 @@ def _ring_forward(q, k, v, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torc
                 lse_b - base
             ).unsqueeze(-1)
             lses[st.q] = lse
+        raw.wait(pending)
         kv = nxt
     out = _unfold(outs, spec.groups).to(q.dtype)
     return out, torch.cat([x.unflatten(-1, (spec.groups, -1)) for x in lses], -1)
@@ -240,11 +242,16 @@ def _ring_backward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):
     dqs = [torch.zeros_like(x) for x in qs]
     perm = tuple((i, (i + 1) % n) for i in range(n))
     kv = torch.cat([k, v], -1).to(acc)
-    dkv = torch.zeros_like(kv)
+    # dK/dV of the block held at step t are computed into a fresh buffer while the partial sums
+    # of the block sent at step t - 1 travel; they are added on arrival and sent on, so after n
+    # hops every block's gradient is back at its owner. Both transfers are issued in the same
+    # order on every rank, which is what matches them.
+    incoming, dkv_pending = None, []
     for t in range(n):
         src = (r - t) % n
         kb, vb = kv.split([dk, kv.shape[-1] - dk], -1)
-        nxt = raw.ppermute(kv, c, perm) if t < n - 1 else None
+        nxt, kv_pending = raw.ppermute_start(kv, c, perm) if t < n - 1 else (None, [])
+        dkv = torch.zeros_like(kv)
         for st in steps[t]:
             mask = (
                 _mask(spec, r, src, (b[st.q], b[st.q + 1]), (st.lo, st.hi), q.device)
@@ -258,9 +265,17 @@ def _ring_backward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):
             dqs[st.q] += torch.matmul(ds, kr)
             dkv[..., st.lo : st.hi, :dk] += torch.matmul(ds.transpose(-1, -2), qs[st.q])
             dkv[..., st.lo : st.hi, dk:] += torch.matmul(p.transpose(-1, -2), dos[st.q])
-        if n > 1:  # the gradients follow the block; after n hops they are back at its owner
-            dkv = raw.ppermute(dkv, c, perm)
+        raw.wait(dkv_pending)
+        if incoming is not None:
+            dkv += incoming
+        if n > 1:
+            incoming, dkv_pending = raw.ppermute_start(dkv, c, perm)
+        else:
+            incoming = dkv
+        raw.wait(kv_pending)
         kv = nxt
+    raw.wait(dkv_pending)
+    dkv = incoming
     dq = _unfold(dqs, spec.groups).to(q.dtype)
     dkb, dvb = dkv.split([dk, dkv.shape[-1] - dk], -1)
     return dq, dkb.to(k.dtype), dvb.to(v.dtype)
