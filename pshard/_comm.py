@@ -8,7 +8,7 @@ handed to the backend flattened to one dim, which every backend accepts for ever
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,15 @@ def all_to_all(x: torch.Tensor, c: Comm, split_dim: int, concat_dim: int) -> tor
 
 
 def ppermute(x: torch.Tensor, c: Comm, perm: Perm) -> torch.Tensor:
+    out, pending = ppermute_start(x, c, perm)
+    wait(pending)
+    return out
+
+
+def ppermute_start(x: torch.Tensor, c: Comm, perm: Perm) -> tuple[torch.Tensor, list[Any]]:
+    """Issue a ppermute and return at once: the output tensor (filled once ``wait(pending)``
+    returns) and the pending work. ``x`` must not be written to before then. Every rank must
+    issue its ppermutes in the same order (they are matched in order, per pair of ranks)."""
     if c.debug and c.group is not None:
         check_collective("ppermute", c.group, c.name, x, (perm_code(perm),))
     out = None
@@ -92,10 +101,14 @@ def ppermute(x: torch.Tensor, c: Comm, perm: Perm) -> torch.Tensor:
             out = torch.empty_like(inp)
             peer = dist.get_global_rank(c.group, src)
             ops.append(dist.P2POp(dist.irecv, out, peer, c.group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return torch.zeros_like(inp) if out is None else out
+    pending = dist.batch_isend_irecv(ops) if ops else []
+    return (torch.zeros_like(inp) if out is None else out), pending
+
+
+def wait(pending: list[Any]) -> None:
+    """Wait for the work returned by :func:`ppermute_start`."""
+    for work in pending:
+        work.wait()
 
 
 def broadcast(x: torch.Tensor, c: Comm, src: int) -> torch.Tensor:

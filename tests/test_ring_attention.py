@@ -340,8 +340,10 @@ def test_errors() -> None:
         TypeError, match=re.escape("ring_attention: q, k, v must have one floating")
     ):
         ps.ring_attention(q, q.double(), q)
-    with pytest.raises(ValueError, match=re.escape("ring_attention: seq_dim=3 is out of range")):
+    with pytest.raises(ValueError, match=re.escape("ring_attention: seq_dim=3 names the last dim")):
         ps.ring_attention(q, q, q, seq_dim=3)
+    with pytest.raises(ValueError, match=re.escape("ring_attention: seq_dim=4 is out of range")):
+        ps.ring_attention(q, q, q, seq_dim=4)
     with pytest.raises(NotImplementedError, match=re.escape("ring_attention: torch.func.vmap")):
         torch.func.vmap(lambda x: ps.ring_attention(x, x, x))(q.unsqueeze(0))
     with pytest.raises(NotImplementedError, match=re.escape("ring_attention: forward-mode")):

@@ -203,6 +203,7 @@ def test_errors(pool) -> None:
 
 def test_out_specs_required() -> None:
     with pytest.raises(
-        TypeError, match=re.escape("shard_map_seq(<lambda>): out_specs omitted and <lambda> has no return annotation")
+        TypeError,
+        match=re.escape("shard_map_seq(<lambda>): out_specs omitted and <lambda> has no return"),
     ):
         ps.shard_map_seq(lambda x: x, in_specs=ps.Shard(1))

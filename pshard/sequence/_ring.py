@@ -31,7 +31,6 @@ import bisect
 import dataclasses
 import functools
 import math
-import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -39,9 +38,8 @@ import torch
 from .. import _comm as raw
 from .._collectives import _call
 from .._mesh import Axis
-from .._tree import describe
-from ._context import find_context
 from ._layouts import SeqLayout
+from ._qkv import check_qkv, token_layout
 
 __all__ = ["BlockCounts", "block_counts", "ring_attention"]
 
@@ -204,7 +202,8 @@ def _ring_forward(q, k, v, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torc
     for t in range(n):
         src = (r - t) % n
         kb, vb = (k, v) if t == 0 else kv.split([dk, kv.shape[-1] - dk], -1)
-        nxt = raw.ppermute(kv, c, perm) if t < n - 1 else None
+        # The next block travels while this one is computed against.
+        nxt, pending = raw.ppermute_start(kv, c, perm) if t < n - 1 else (None, [])
         for st in steps[t]:
             mask = (
                 _mask(spec, r, src, (b[st.q], b[st.q + 1]), (st.lo, st.hi), q.device)
@@ -221,6 +220,7 @@ def _ring_forward(q, k, v, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torc
                 lse_b - base
             ).unsqueeze(-1)
             lses[st.q] = lse
+        raw.wait(pending)
         kv = nxt
     out = _unfold(outs, spec.groups).to(q.dtype)
     return out, torch.cat([x.unflatten(-1, (spec.groups, -1)) for x in lses], -1)
@@ -240,11 +240,16 @@ def _ring_backward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):
     dqs = [torch.zeros_like(x) for x in qs]
     perm = tuple((i, (i + 1) % n) for i in range(n))
     kv = torch.cat([k, v], -1).to(acc)
-    dkv = torch.zeros_like(kv)
+    # dK/dV of the block held at step t are computed into a fresh buffer while the partial sums
+    # of the block sent at step t - 1 travel; they are added on arrival and sent on, so after n
+    # hops every block's gradient is back at its owner. Both transfers are issued in the same
+    # order on every rank, which is what matches them.
+    incoming, dkv_pending = None, []
     for t in range(n):
         src = (r - t) % n
         kb, vb = kv.split([dk, kv.shape[-1] - dk], -1)
-        nxt = raw.ppermute(kv, c, perm) if t < n - 1 else None
+        nxt, kv_pending = raw.ppermute_start(kv, c, perm) if t < n - 1 else (None, [])
+        dkv = torch.zeros_like(kv)
         for st in steps[t]:
             mask = (
                 _mask(spec, r, src, (b[st.q], b[st.q + 1]), (st.lo, st.hi), q.device)
@@ -258,9 +263,17 @@ def _ring_backward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):
             dqs[st.q] += torch.matmul(ds, kr)
             dkv[..., st.lo : st.hi, :dk] += torch.matmul(ds.transpose(-1, -2), qs[st.q])
             dkv[..., st.lo : st.hi, dk:] += torch.matmul(p.transpose(-1, -2), dos[st.q])
-        if n > 1:  # the gradients follow the block; after n hops they are back at its owner
-            dkv = raw.ppermute(dkv, c, perm)
+        raw.wait(dkv_pending)
+        if incoming is not None:
+            dkv += incoming
+        if n > 1:
+            incoming, dkv_pending = raw.ppermute_start(dkv, c, perm)
+        else:
+            incoming = dkv
+        raw.wait(kv_pending)
         kv = nxt
+    raw.wait(dkv_pending)
+    dkv = incoming
     dq = _unfold(dqs, spec.groups).to(q.dtype)
     dkb, dvb = dkv.split([dk, dkv.shape[-1] - dk], -1)
     return dq, dkb.to(k.dtype), dvb.to(v.dtype)
@@ -338,74 +351,6 @@ class _RingGrad(torch.autograd.Function):
 # --------------------------------------------------------------------------- the public function
 
 
-def _dim(name: str, d: Any, q: torch.Tensor) -> int:
-    n = q.dim()
-    try:
-        if isinstance(d, bool):
-            raise TypeError
-        d = operator.index(d)
-    except TypeError:
-        raise TypeError(f"{_FN}: {name} must be an int, got {d!r}") from None
-    if not -n <= d < n - 1:
-        raise ValueError(
-            f"{_FN}: {name}={d} is out of range for q with {n} dims (shape {tuple(q.shape)}); "
-            f"use {name} in [{-n}, {n - 2}] (the last dim is the head size)"
-        )
-    return d % n
-
-
-def _check(q: Any, k: Any, v: Any, seq_dim: Any, head_dim: Any) -> tuple[int, int, int, int]:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() < 3:
-            raise TypeError(
-                f"{_FN}: {name} must be a tensor with at least 3 dims (seq, heads, head_size), "
-                f"got {describe(t)}"
-            )
-    shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-    if not q.dim() == k.dim() == v.dim():
-        raise ValueError(f"{_FN}: q, k, v must have the same number of dims, got shapes {shapes}")
-    if not q.dtype == k.dtype == v.dtype or not q.is_floating_point():
-        raise TypeError(
-            f"{_FN}: q, k, v must have one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    sd, hd = _dim("seq_dim", seq_dim, q), _dim("head_dim", head_dim, q)
-    if sd == hd:
-        raise ValueError(f"{_FN}: seq_dim={seq_dim} and head_dim={head_dim} name the same dim")
-    if k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"{_FN}: k and v must agree on every dim but the last, and q and k on the last "
-            f"(head size), got shapes {shapes}"
-        )
-    others = [d for d in range(q.dim() - 1) if d != hd]
-    if [q.shape[d] for d in others] != [k.shape[d] for d in others]:
-        raise ValueError(
-            f"{_FN}: q and k must agree on every dim but the head dim ({hd}) and the last, got "
-            f"shapes {shapes}"
-        )
-    hq, hkv = q.shape[hd], k.shape[hd]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(
-            f"{_FN}: q has {hq} heads and k, v have {hkv} (head_dim={hd}); the query heads must "
-            f"be a multiple of the key/value heads (grouped-query attention)"
-        )
-    return sd, hd, hq, hkv
-
-
-def _layout(axis: Axis, n: int, local: int, q: torch.Tensor, sd: int) -> SeqLayout:
-    ctx = find_context(axis)
-    if ctx is None:
-        return SeqLayout("contiguous", n * local, n)
-    lay = ctx.layout
-    if local != lay.local_length or lay.size != n:
-        raise ValueError(
-            f"{_FN}: q has {local} tokens along seq_dim={sd} (shape {tuple(q.shape)}) but "
-            f"shard_map_seq gave this rank {lay.local_length} (a sequence of {lay.length} on "
-            f"{lay.size} ranks, {lay.kind} layout); pass this rank's tokens, with seq_dim naming "
-            f"their dim"
-        )
-    return lay
-
-
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -477,9 +422,9 @@ def ring_attention(
         >>> torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
         True
     """
-    sd, hd, hq, hkv = _check(q, k, v, seq_dim, head_dim)
+    sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim, one_dtype=True)
     c = raw.comm(axis, _FN)
-    layout = _layout(axis, c.size, q.shape[sd], q, sd)
+    layout = token_layout(_FN, axis, c.size, q, sd)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     spec = _Spec(layout, bool(causal), float(scale), hq // hkv)

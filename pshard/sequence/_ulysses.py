@@ -14,72 +14,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .._checks import normalize_dim
 from .._mesh import Axis, resolve_axis
-from .._tree import describe
-from ._context import find_context
 from ._heads import heads_to_seq, seq_to_heads
-from ._layouts import SeqLayout, pad_permute, unpermute_unpad
+from ._layouts import pad_permute, unpermute_unpad
+from ._qkv import check_qkv, token_layout
 
 __all__ = ["ulysses_attention"]
 
 _FN = "ulysses_attention"
-
-
-def _dim(name: str, d: Any, q: torch.Tensor) -> int:
-    n = q.dim()
-    d = normalize_dim(_FN, name, d, q, what="q")
-    if d == n - 1:
-        raise ValueError(
-            f"{_FN}: {name}={d} names the last dim of q (shape {tuple(q.shape)}), which is the "
-            f"feature (head size) dim; q, k, v are (batch..., seq, heads, head_size) by default"
-        )
-    return d
-
-
-def _check(q: Any, k: Any, v: Any, seq_dim: Any, head_dim: Any) -> tuple[int, int, int, int]:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() < 3:
-            raise TypeError(
-                f"{_FN}: {name} must be a tensor with at least 3 dims (seq, heads, head_size), "
-                f"got {describe(t)}"
-            )
-    if not q.dim() == k.dim() == v.dim():
-        raise ValueError(
-            f"{_FN}: q, k, v must have the same number of dims, got shapes {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    sd, hd = _dim("seq_dim", seq_dim, q), _dim("head_dim", head_dim, q)
-    if sd == hd:
-        raise ValueError(f"{_FN}: seq_dim={seq_dim} and head_dim={head_dim} name the same dim")
-    hq, hkv = q.shape[hd], k.shape[hd]
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(
-            f"{_FN}: k and v must agree on every dim but the last, got shapes {tuple(k.shape)} "
-            f"and {tuple(v.shape)}"
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"{_FN}: q and k must have the same head size (last dim), got shapes "
-            f"{tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    others = [d for d in range(q.dim() - 1) if d != hd]
-    if [q.shape[d] for d in others] != [k.shape[d] for d in others]:
-        raise ValueError(
-            f"{_FN}: q and k must agree on every dim but the head dim ({hd}) and the last, got "
-            f"shapes {tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if hkv == 0 or hq % hkv:
-        raise ValueError(
-            f"{_FN}: q has {hq} heads and k, v have {hkv} (head_dim={hd}); the query heads must "
-            f"be a multiple of the key/value heads (grouped-query attention)"
-        )
-    return sd, hd, hq, hkv
 
 
 def _exchange(
@@ -162,7 +108,7 @@ def ulysses_attention(
         >>> torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
         True
     """
-    sd, hd, hq, hkv = _check(q, k, v, seq_dim, head_dim)
+    sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim)
     info = resolve_axis(axis, fn=_FN)
     n = info.size
     if hq % n:
@@ -171,19 +117,7 @@ def ulysses_attention(
             f"divide by the size {n} of axis {info.name!r}; Ulysses attention gives every rank "
             f"heads / {n} query heads: use a head count divisible by {n}, or a smaller axis"
         )
-    local = q.shape[sd]
-    ctx = find_context(axis)
-    if ctx is not None:
-        layout = ctx.layout
-        if local != layout.local_length:
-            raise ValueError(
-                f"{_FN}: q has {local} tokens along seq_dim={sd} (shape {tuple(q.shape)}) but "
-                f"shard_map_seq gave this rank {layout.local_length} (a sequence of "
-                f"{layout.length} on {layout.size} ranks, {layout.kind} layout); pass this "
-                f"rank's tokens, with seq_dim naming their dim"
-            )
-    else:
-        layout = SeqLayout("contiguous", n * local, n)
+    layout = token_layout(_FN, axis, n, q, sd)
     if attn_fn is None:
         attn_fn = F.scaled_dot_product_attention
     copies = n // math.gcd(hkv, n)
