@@ -107,6 +107,10 @@ def _worker_main(
     ``("ok", value, health)`` or ``("err", ...)``; ``None`` (or the caller going away) stops it.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and tears down
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Every rank shares this machine's cores: one full-width thread pool per rank
+        # oversubscribes them, which slows gloo down by an order of magnitude.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     lo = _loopback_interface()
     if lo is not None and backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
@@ -448,7 +452,9 @@ def spawn(
     process group of size ``nprocs`` (rank ``i`` is process ``i``) before ``fn`` runs; the
     group is destroyed when ``fn`` returns. The rendezvous store runs in the calling process on
     a free port of 127.0.0.1 (loopback only); gloo also binds its connections to the loopback
-    interface unless ``GLOO_SOCKET_IFNAME`` is set.
+    interface unless ``GLOO_SOCKET_IFNAME`` is set. Unless ``OMP_NUM_THREADS`` is set, each
+    process uses ``cpu_count // nprocs`` torch threads, so the ranks do not oversubscribe the
+    cores they share.
 
     ``fn`` and ``args`` are pickled into the processes, so ``fn`` must be a function defined at
     the top level of an importable module (or of the script that calls ``spawn``, guarded by
