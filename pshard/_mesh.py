@@ -173,8 +173,25 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
     if isinstance(axis, dist.ProcessGroup):
         size = dist.get_world_size(axis)
         return AxisInfo(axis if size > 1 else None, size, dist.get_rank(axis), f"group{size}")
-    names = _axis_names(axis, fn)
     mesh = current_mesh() if mesh is None else mesh
+    # Resolved axes are cached on the mesh object itself (a mesh's groups and this rank's place
+    # in them never change), so a collective pays one dict lookup, not a group lookup.
+    cache = mesh.__dict__.setdefault("_pshard_axes", {})
+    key = (
+        axis
+        if isinstance(axis, str)
+        or (isinstance(axis, tuple) and all(isinstance(a, str) for a in axis))
+        else None
+    )
+    if key is not None and key in cache:
+        return cache[key]
+    info = _resolve_names(_axis_names(axis, fn), mesh, axis, fn)
+    if key is not None:
+        cache[key] = info
+    return info
+
+
+def _resolve_names(names: tuple[str, ...], mesh: DeviceMesh, axis: Axis, fn: str) -> AxisInfo:
     dim_names = mesh.mesh_dim_names or ()
     for n in names:
         if n not in dim_names:
