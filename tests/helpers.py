@@ -31,6 +31,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from pshard._tree import is_block_mask, tree_flatten, tree_leaves
+from pshard.sequence._layouts import SeqLayout, pad_permute
 
 BATCH = 4
 
@@ -303,3 +304,24 @@ def assert_trees_equal(a: Any, b: Any) -> None:
     assert treedef_a == treedef_b, f"structures differ:\n{treedef_a}\n{treedef_b}"
     for x, y in zip(leaves_a, leaves_b, strict=True):
         assert_leaves_equal(x, y)
+
+
+# ------------------------------------------------------------------ sequence parallelism
+
+
+def full_attention(q, k, v, causal):
+    """The oracle for sequence-parallel attention: SDPA over the whole sequence of
+    ``(batch, seq, heads, head_size)`` inputs (GQA when k, v have fewer heads)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def seq_block(x: torch.Tensor, lay: SeqLayout, r: int) -> torch.Tensor:
+    """Rank ``r``'s block of ``x`` (sequence on dim 1) under ``lay``, zero-padded."""
+    return pad_permute(x, 1, lay, 0.0).chunk(lay.size, 1)[r]

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import full_attention, seq_block
 from test_seq_model import (
     BATCH_SPECS,
     PADS,
@@ -25,7 +26,7 @@ from test_seq_model import (
 import pshard as ps
 from pshard._tree import tree_map
 from pshard.sequence._context import SeqContext, sequence_context
-from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
+from pshard.sequence._layouts import LAYOUTS, SeqLayout
 from pshard.sequence._ring import BlockCounts, block_counts
 
 B, D = 2, 3
@@ -46,22 +47,6 @@ def _configs(n: int) -> list[tuple[str, int, int, int, bool]]:
                 for causal in (False, True):
                     out.append((kind, s, hq, hkv, causal))
     return out
-
-
-def _reference(q, k, v, causal):
-    """(B, S, H, D) inputs, plain SDPA over the whole sequence."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=causal,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
-
-
-def _local(x: torch.Tensor, lay: SeqLayout, r: int) -> torch.Tensor:
-    return pad_permute(x, 1, lay, 0.0).chunk(lay.size, 1)[r]
 
 
 def _data(n: int, dtype=torch.float64) -> list:
@@ -86,8 +71,8 @@ def _worker(n: int, data: list) -> list:
     out = []
     for (kind, s, _, _, causal), (q, k, v, c) in zip(_configs(n), data, strict=True):
         lay = SeqLayout(kind, s, n)
-        local = [_local(t, lay, r).requires_grad_(True) for t in (q, k, v)]
-        cot = _local(c, lay, r)
+        local = [seq_block(t, lay, r).requires_grad_(True) for t in (q, k, v)]
+        cot = seq_block(c, lay, r)
         with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
             y = ps.ring_attention(*local, axis="sp", causal=causal)
             grads = torch.autograd.grad((y * cot).sum(), local)
@@ -105,17 +90,17 @@ def _check(n: int, data: list, got: list, tol: dict) -> None:
     ):
         lay = SeqLayout(kind, s, n)
         inputs = [t.to(torch.float64).requires_grad_(True) for t in (q, k, v)]
-        ref = _reference(*inputs, causal)
+        ref = full_attention(*inputs, causal)
         ref_grads = torch.autograd.grad((ref * c.to(torch.float64)).sum(), inputs)
         for r in range(n):
             y, grads, fgrads = got[r][i]
             msg = f"rank {r} config {(kind, s, hq, hkv, causal)}"
             assert y.dtype == q.dtype, msg
-            want = _local(ref.detach(), lay, r).to(q.dtype)
+            want = seq_block(ref.detach(), lay, r).to(q.dtype)
             real = torch.tensor(lay.is_pad(r)).logical_not().view(1, -1, 1, 1)
             torch.testing.assert_close(y, want * real, msg=msg, **tol)  # padding rows are 0
             for g, fg, rg in zip(grads, fgrads, ref_grads, strict=True):
-                torch.testing.assert_close(g, _local(rg, lay, r).to(q.dtype), msg=msg, **tol)
+                torch.testing.assert_close(g, seq_block(rg, lay, r).to(q.dtype), msg=msg, **tol)
                 torch.testing.assert_close(fg, g, msg=msg, **tol)
 
 
@@ -152,7 +137,7 @@ def test_outside_shard_map_seq_and_dims(pool) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, 6, 4, D, dtype=torch.float64) for _ in range(3))
     got = pool.run(n, _outside_worker, n, q, k, v)
-    ref = _reference(q, k, v, True)
+    ref = full_attention(q, k, v, True)
     scaled = F.scaled_dot_product_attention(
         *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=0.3
     ).transpose(1, 2)

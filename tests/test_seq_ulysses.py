@@ -13,10 +13,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import full_attention, seq_block
 
 import pshard as ps
 from pshard.sequence._context import SeqContext, sequence_context
-from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute, unpermute_unpad
+from pshard.sequence._layouts import LAYOUTS, SeqLayout, unpermute_unpad
 
 B, D = 2, 3
 
@@ -32,32 +33,16 @@ def _configs(n: int) -> list[tuple[str, int, int, int, bool]]:
     return out
 
 
-def _reference(q, k, v, causal):
-    """(B, S, H, D) inputs, plain SDPA over the whole sequence."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=causal,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
-
-
-def _local(x: torch.Tensor, lay: SeqLayout, r: int) -> torch.Tensor:
-    return pad_permute(x, 1, lay, 0.0).chunk(lay.size, 1)[r]
-
-
 def _worker(n: int, data: list) -> list:
     ps.init_mesh({"sp": n})
     r = ps.axis_index("sp")
     out = []
     for (kind, s, _, _, causal), (q, k, v, c) in zip(_configs(n), data, strict=True):
         lay = SeqLayout(kind, s, n)
-        local = [_local(t, lay, r).requires_grad_(True) for t in (q, k, v)]
+        local = [seq_block(t, lay, r).requires_grad_(True) for t in (q, k, v)]
         with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
             y = ps.ulysses_attention(*local, axis="sp", causal=causal)
-        grads = torch.autograd.grad((y * _local(c, lay, r)).sum(), local)
+        grads = torch.autograd.grad((y * seq_block(c, lay, r)).sum(), local)
         out.append((y.detach(), grads))
     return out
 
@@ -78,7 +63,7 @@ def test_against_full_attention(pool, n: int) -> None:
     ):
         lay = SeqLayout(kind, s, n)
         inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        ref = _reference(*inputs, causal)
+        ref = full_attention(*inputs, causal)
         grads = torch.autograd.grad((ref * c).sum(), inputs)
         outs = torch.cat([got[r][i][0] for r in range(n)], 1)
         case = (kind, s, hq, hkv, causal)
