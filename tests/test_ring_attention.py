@@ -6,6 +6,7 @@ pmap_microbatch); the skipped-block schedule per layout; saved activations; pinn
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -16,10 +17,10 @@ from test_seq_model import (
     BATCH_SPECS,
     PADS,
     _assert_tree_close,
-    _sums,
-    forward,
     init_params,
+    local_loss,
     make_batch,
+    microbatched_against_reference,
     ref_loss,
 )
 
@@ -153,11 +154,6 @@ def _ring(q, k, v):
     return ps.ring_attention(q, k, v, axis="sp", causal=True)
 
 
-def _local_loss(params: dict, batch: dict) -> torch.Tensor:
-    logits = forward(params, batch["input_ids"], ps.seq_positions(), _ring)
-    return ps.token_mean_loss(*_sums(logits, batch["shift_labels"]), "sp")
-
-
 def _lm_configs(n: int) -> list[tuple[str, int, int, int]]:
     return [
         (kind, s, hq, hkv)
@@ -173,7 +169,7 @@ def _model_worker(n: int) -> list:
         params = init_params(hq, hkv, seed=i)
         batch = make_batch(2, s, seed=100 + i)
         loss = ps.shard_map_seq(
-            _local_loss,
+            functools.partial(local_loss, attention=_ring),
             in_specs=(None, BATCH_SPECS),
             out_specs=ps.Replicate(),
             layout=kind,
@@ -208,40 +204,17 @@ def _microbatch_worker(n: int) -> dict:
     """pmap_microbatch(grad_and_value(shard_map_seq(...))) with token weights equals the
     whole batch; an empty sequence gives loss 0 and zero gradients."""
     ps.init_mesh({"sp": n})
-    params = init_params(4, 2, seed=3)
-    batch = make_batch(4, 2 * n + 1, seed=7)
-    batch["shift_labels"][1] = -100  # a row without targets: a microbatch of weight 0
-    loss = ps.shard_map_seq(
-        _local_loss,
-        in_specs=(None, BATCH_SPECS),
-        out_specs=ps.Replicate(),
-        layout="zigzag",
-        pad_values=(0, PADS),
-    )
-    step = ps.pmap_microbatch(
-        torch.func.grad_and_value(loss),
-        num_microbatches=4,
-        in_specs=(None, ps.Shard(0)),
-        out_specs=ps.Partial("mean"),
-        weight_fn=lambda params, mb: (mb["shift_labels"] != -100).sum(),
-    )
-    grad, value = step(params, batch)
-    ref_grad, ref_value = torch.func.grad_and_value(ref_loss)(params, batch)
-    empty_grad, empty_value = torch.func.grad_and_value(loss)(params, make_batch(1, 0, seed=0))
-    return {
-        "grad": (grad, ref_grad),
-        "value": (value, ref_value),
-        "empty": (empty_value, tree_map(torch.zeros_like, empty_grad), empty_grad),
-    }
+    params, batch = init_params(4, 2, seed=3), make_batch(4, 2 * n + 1, seed=7)
+    return microbatched_against_reference(_ring, params, batch)
 
 
 def test_pmap_microbatch_around(pool) -> None:
     for res in pool.run(2, _microbatch_worker, 2):
         _assert_tree_close(*res["grad"], msg="pmap_microbatch")
         torch.testing.assert_close(*res["value"], **TOL)
-        value, zeros, grad = res["empty"]
+        value, grad = res["empty"]
         assert value.item() == 0.0
-        _assert_tree_close(grad, zeros, msg="empty sequence")
+        _assert_tree_close(grad, tree_map(torch.zeros_like, grad), msg="empty sequence")
 
 
 # --------------------------------------------------------------------------- the schedule

@@ -6,6 +6,8 @@ batch."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,9 +89,9 @@ def ref_loss(params: dict, batch: dict) -> torch.Tensor:
     return total / count.clamp_min(1)
 
 
-def local_loss(params: dict, batch: dict) -> torch.Tensor:
+def local_loss(params: dict, batch: dict, attention=sp_attention) -> torch.Tensor:
     """The per-shard loss: positions from the sequence context (padding at >= s)."""
-    logits = forward(params, batch["input_ids"], ps.seq_positions(), sp_attention)
+    logits = forward(params, batch["input_ids"], ps.seq_positions(), attention)
     return ps.token_mean_loss(*_sums(logits, batch["shift_labels"]), "sp")
 
 
@@ -100,6 +102,35 @@ def local_logits(params: dict, batch: dict) -> torch.Tensor:
 
 BATCH_SPECS = {"input_ids": ps.Shard(1), "shift_labels": ps.Shard(1), "position_ids": ps.Shard(1)}
 PADS = {"input_ids": 0, "shift_labels": -100, "position_ids": 0}
+
+
+def microbatched_against_reference(attention, params: dict, batch: dict) -> dict:
+    """``pmap_microbatch(grad_and_value(shard_map_seq(loss)))`` with token weights on ``batch``
+    (whose row 1 has no target: a microbatch of weight 0) next to the whole-batch reference, and
+    the mapped loss on an empty sequence (all padding on every rank): pairs to compare."""
+    loss = ps.shard_map_seq(
+        functools.partial(local_loss, attention=attention),
+        in_specs=(None, BATCH_SPECS),
+        out_specs=ps.Replicate(),
+        layout="zigzag",
+        pad_values=(0, PADS),
+    )
+    step = ps.pmap_microbatch(
+        torch.func.grad_and_value(loss),
+        num_microbatches=4,
+        in_specs=(None, ps.Shard(0)),
+        out_specs=ps.Partial("mean"),
+        weight_fn=lambda params, mb: (mb["shift_labels"] != -100).sum(),
+    )
+    batch["shift_labels"][1] = -100
+    grad, value = step(params, batch)
+    ref_grad, ref_value = torch.func.grad_and_value(ref_loss)(params, batch)
+    empty_grad, empty_value = torch.func.grad_and_value(loss)(params, make_batch(1, 0, seed=0))
+    return {
+        "grad": (grad, ref_grad),
+        "value": (value, ref_value),
+        "empty": (empty_value, empty_grad),
+    }
 
 
 def make_batch(b: int, s: int, seed: int) -> dict:

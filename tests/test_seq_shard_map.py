@@ -7,7 +7,15 @@ import re
 
 import pytest
 import torch
-from test_seq_model import BATCH_SPECS, PADS, init_params, local_loss, make_batch, ref_loss
+from test_seq_model import (
+    BATCH_SPECS,
+    PADS,
+    init_params,
+    local_loss,
+    make_batch,
+    microbatched_against_reference,
+    sp_attention,
+)
 
 import pshard as ps
 from pshard._tree import tree_leaves
@@ -17,25 +25,10 @@ from pshard.sequence._layouts import SeqLayout
 
 def _microbatch_worker() -> dict:
     ps.init_mesh({"sp": 2})
-    params = init_params(4, 1, seed=3)
-    batch = make_batch(4, 7, seed=5)
-    batch["shift_labels"][1] = -100  # a row without targets: a microbatch of weight 0
-    loss = ps.shard_map_seq(
-        local_loss,
-        in_specs=(None, BATCH_SPECS),
-        out_specs=ps.Replicate(),
-        layout="zigzag",
-        pad_values=(0, PADS),
-    )
-    step = ps.pmap_microbatch(
-        torch.func.grad_and_value(loss),
-        num_microbatches=4,
-        in_specs=(None, ps.Shard(0)),
-        out_specs=ps.Partial("mean"),
-        weight_fn=lambda params, mb: (mb["shift_labels"] != -100).sum(),
-    )
-    grad, value = step(params, batch)
-    ref_grad, ref_value = torch.func.grad_and_value(ref_loss)(params, batch)
+    params, batch = init_params(4, 1, seed=3), make_batch(4, 7, seed=5)
+    got = microbatched_against_reference(sp_attention, params, batch)
+    (grad, ref_grad), (value, ref_value) = got["grad"], got["value"]
+    empty_value, empty_grad = got["empty"]
     close = all(
         torch.allclose(a, b, rtol=1e-9, atol=1e-12)
         for a, b in zip(tree_leaves(grad), tree_leaves(ref_grad), strict=True)
@@ -50,7 +43,6 @@ def _microbatch_worker() -> dict:
     )
     ys = torch.func.vmap(double)(xs)
     # an empty sequence: every token is padding on every rank; loss 0, gradients 0, no NaN
-    empty_grad, empty_value = torch.func.grad_and_value(loss)(params, make_batch(1, 0, seed=0))
     return {
         "empty": empty_value.item() == 0.0
         and all(torch.equal(g, torch.zeros_like(g)) for g in tree_leaves(empty_grad)),
