@@ -37,9 +37,8 @@ def peak_mib() -> float:
 def child(mode: str, k: int) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
+    from _anchors import hand_accumulation, microbatched
     from torch.func import functional_call, grad_and_value
-
-    import pshard as ps
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -54,29 +53,7 @@ def child(mode: str, k: int) -> None:
         return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
 
     step_fn = grad_and_value(loss)
-    if mode == "pmap_microbatch":
-        step = ps.pmap_microbatch(
-            step_fn,
-            num_microbatches=k,
-            in_specs=(None, ps.Shard(0), ps.Shard(0)),
-            out_specs=ps.Partial("mean"),
-        )
-    else:
-
-        def step(params, x, y):
-            grads, value, total = None, None, 0
-            for xb, yb in zip(x.tensor_split(k), y.tensor_split(k), strict=True):
-                g, v = step_fn(params, xb, yb)
-                n = xb.shape[0]
-                if grads is None:
-                    grads, value = {name: t * n for name, t in g.items()}, v * n
-                else:
-                    for name, t in g.items():
-                        grads[name].add_(t, alpha=n)
-                    value = value + v * n
-                total += n
-                del g, v
-            return {name: t / total for name, t in grads.items()}, value / total
+    step = microbatched(step_fn, k) if mode == "pmap_microbatch" else hand_accumulation(step_fn, k)
 
     step(params, x[:16], y[:16])  # warm-up: load every code path on a tiny batch
     before = peak_mib()

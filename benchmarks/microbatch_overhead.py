@@ -21,7 +21,7 @@ import torch
 from torch.func import functional_call, grad_and_value
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import pshard as ps  # noqa: E402
+from _anchors import hand_accumulation, microbatched  # noqa: E402
 
 
 def make_case(width: int, depth: int, rows: int, k: int):
@@ -37,26 +37,7 @@ def make_case(width: int, depth: int, rows: int, k: int):
         return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
 
     step_fn = grad_and_value(loss)
-    pmapped = ps.pmap_microbatch(
-        step_fn,
-        num_microbatches=k,
-        in_specs=(None, ps.Shard(0), ps.Shard(0)),
-        out_specs=ps.Partial("mean"),
-    )
-
-    def loop(params, x, y):
-        grads, value, total = None, None, 0
-        for xb, yb in zip(x.tensor_split(k), y.tensor_split(k), strict=True):
-            g, v = step_fn(params, xb, yb)
-            n = xb.shape[0]
-            if grads is None:
-                grads, value = {name: t * n for name, t in g.items()}, v * n
-            else:
-                for name, t in g.items():
-                    grads[name].add_(t, alpha=n)
-                value = value + v * n
-            total += n
-        return {name: t / total for name, t in grads.items()}, value / total
+    pmapped, loop = microbatched(step_fn, k), hand_accumulation(step_fn, k)
 
     return (params, x, y), {"pmap_microbatch": pmapped, "hand-written loop": loop}, step_fn
 
