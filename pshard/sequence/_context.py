@@ -4,14 +4,32 @@
 mapped function; attention functions and :func:`seq_positions` read it to learn the true global
 position of every local token and which tokens are padding. It is a context variable holding a
 stack, so nested maps see their own layout and everything is restored on exit (also on
-exceptions); there is no process-global state.
+exceptions).
+
+**Recomputation in the backward pass.** Activation checkpointing (``torch.utils.checkpoint``,
+reentrant or not) runs parts of ``fn`` again during the backward pass, long after the map has
+returned, so the context variable is empty by then. The map therefore records its context with
+the forward: every floating output of the mapped function passes through an identity
+(:func:`record_for_backward`) whose backward, which runs before anything inside the map is
+differentiated, files the context under the running backward pass (its graph task). During that
+pass :func:`find_context` finds it there when the context variable has none; the entry is
+dropped when the pass ends. Several maps in one backward pass are told apart by their axis, and
+when two *different* contexts of one axis are live (two differently padded maps differentiated
+together) a recompute cannot tell which it belongs to and :func:`find_context` raises rather than
+guessing. That registry, keyed by live backward passes and emptied as each ends, is the only
+state kept outside a context variable: the backward pass may run on another thread (the
+autograd engine's device threads), where context variables do not reach.
 
 Internal interface:
 
-- ``SeqContext(axis, layout, rank, device)``: one entry (``axis`` as a tuple of mesh-axis
+- ``SeqContext(axis, layout, rank, device, mesh)``: one entry (``axis`` as a tuple of mesh-axis
   names, or a ``ProcessGroup``); ``positions()`` gives this rank's positions as an int64 tensor.
 - ``sequence_context(ctx)``: context manager pushing ``ctx``.
 - ``find_context(axis)``: the innermost entry for ``axis`` (``None`` when there is none).
+- ``record_for_backward(tree, ctx)``: the identity on ``tree`` that makes ``ctx`` findable
+  while the backward pass through it runs.
+- ``context_scope(ctx)``: ``use_mesh(ctx.mesh)`` (a no-op for ``None`` or a context without
+  a mesh), so that axes resolve in the map's mesh during a recompute too.
 """
 
 from __future__ import annotations
@@ -24,11 +42,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from .._mesh import Axis
+from .._collectives import _call
+from .._mesh import Axis, use_mesh
+from .._tree import tree_map
 from ._layouts import SeqLayout
 
-__all__ = ["SeqContext", "find_context", "normalize_axis", "seq_positions", "sequence_context"]
+__all__ = [
+    "SeqContext",
+    "context_scope",
+    "find_context",
+    "normalize_axis",
+    "record_for_backward",
+    "seq_positions",
+    "sequence_context",
+]
 
 _STACK: contextvars.ContextVar[tuple[SeqContext, ...]] = contextvars.ContextVar(
     "pshard_sequence_context", default=()
@@ -53,12 +82,14 @@ class SeqContext:
         layout: the layout (true length, padding, permutation).
         rank: this rank's index on the axis.
         device: where position tensors are made.
+        mesh: the mesh ``axis`` names axes of (``None``: the current mesh).
     """
 
     axis: Any
     layout: SeqLayout
     rank: int
     device: torch.device
+    mesh: DeviceMesh | None = None
 
     def positions(self) -> torch.Tensor:
         """This rank's global positions (int64, ``layout.local_length`` of them; values
@@ -76,18 +107,98 @@ def sequence_context(ctx: SeqContext) -> Iterator[SeqContext]:
         _STACK.reset(token)
 
 
+# graph task id of a running backward pass -> the contexts recorded by the maps it went through
+_IN_BACKWARD: dict[int, list[SeqContext]] = {}
+
+
+def _file(ctx: SeqContext) -> None:
+    task = torch._C._current_graph_task_id()
+    if task < 0:  # pragma: no cover - a backward runs inside a graph task
+        return
+    live = _IN_BACKWARD.get(task)
+    if live is None:
+        live = _IN_BACKWARD[task] = []
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _IN_BACKWARD.pop(task, None)
+        )
+    if ctx not in live:
+        live.append(ctx)
+
+
+class _Record(torch.autograd.Function):
+    """The identity; its backward files the context for the rest of the backward pass."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(c: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        c.seq = inputs[1]
+
+    @staticmethod
+    def backward(c: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _file(c.seq)
+        return g, None
+
+    @staticmethod
+    def jvp(c: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, ctx: SeqContext) -> Any:
+        return _call(_Record, x, ctx), in_dims[0]
+
+
+def record_for_backward(tree: Any, ctx: SeqContext) -> Any:
+    """``tree`` with every floating tensor passed through an identity whose backward makes
+    ``ctx`` findable (by :func:`find_context`) for the rest of that backward pass."""
+    return tree_map(
+        lambda x: (
+            _call(_Record, x, ctx)
+            if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+            else x
+        ),
+        tree,
+    )
+
+
+def _recorded(axis: Axis | None) -> SeqContext | None:
+    """The context a running backward pass recorded for ``axis``, for a recompute."""
+    task = torch._C._current_graph_task_id()
+    live = _IN_BACKWARD.get(task, ()) if task >= 0 else ()
+    key = None if axis is None else normalize_axis(axis)
+    found = [ctx for ctx in live if key is None or ctx.axis == key]
+    if len(found) > 1:
+        raise RuntimeError(
+            f"pshard: a function is being recomputed in the backward pass (activation "
+            f"checkpointing) and {len(found)} different sequence layouts of axis "
+            f"{found[0].axis!r} are being differentiated in this pass "
+            f"({', '.join(f'{c.layout.kind} {c.layout.length} tokens' for c in found)}), so it "
+            f"cannot tell which one it belongs to; differentiate those maps in separate "
+            f"backward passes, or checkpoint outside the maps"
+        )
+    return found[0] if found else None
+
+
 def find_context(axis: Axis | None = None) -> SeqContext | None:
-    """The innermost context for ``axis`` (any axis when ``None``), or ``None``."""
+    """The innermost context for ``axis`` (any axis when ``None``), or ``None``; during a
+    backward pass, the one its map recorded (see the module docs)."""
     stack = _STACK.get()
-    if not stack:
-        return None
-    if axis is None:
+    if axis is None and stack:
         return stack[-1]
-    key = normalize_axis(axis)
+    key = None if axis is None else normalize_axis(axis)
     for ctx in reversed(stack):
         if ctx.axis == key:
             return ctx
-    return None
+    return _recorded(axis)
+
+
+def context_scope(ctx: SeqContext | None) -> contextlib.AbstractContextManager[Any]:
+    """``use_mesh(ctx.mesh)``, or nothing when there is no context or it has no mesh."""
+    if ctx is None or ctx.mesh is None:
+        return contextlib.nullcontext()
+    return use_mesh(ctx.mesh)
 
 
 def seq_positions(axis: Axis | None = None) -> torch.Tensor:

@@ -39,7 +39,7 @@ from .._mesh import Axis, current_mesh, resolve_axis, use_mesh
 from .._placements import Shard
 from .._shard_map import _enter, _exit, _Mesh
 from .._tree import describe, tree_flatten_with_path, tree_unflatten
-from ._context import SeqContext, normalize_axis, sequence_context
+from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
 from ._layouts import SeqLayout, check_layout, pad_permute, unpermute_unpad
 
 __all__ = ["SequenceParallel", "reduce_gradients", "sequence_parallel"]
@@ -58,6 +58,7 @@ class _Call:
     mesh: _Mesh
     keep: torch.Tensor | None
     scopes: list[Any]
+    context: SeqContext
 
 
 class SequenceParallel:
@@ -188,11 +189,11 @@ class SequenceParallel:
             else x
             for i, x in enumerate(rest)
         )
-        ctx = SeqContext(normalize_axis(self._names), layout, info.rank, ref.device)
+        ctx = SeqContext(normalize_axis(self._names), layout, info.rank, ref.device, mesh)
         scopes = [use_mesh(mesh), sequence_context(ctx)]
         for scope in scopes:
             scope.__enter__()
-        self._calls.append(_Call(layout, m, whole_keep, scopes))
+        self._calls.append(_Call(layout, m, whole_keep, scopes, ctx))
         return rest, out
 
     @staticmethod
@@ -208,9 +209,10 @@ class SequenceParallel:
             return output
         call = self._calls.pop()
         self._leave(call)
-        if not self._gather or output is None:
+        if output is None:
             return output
-        return self._gather_outputs(output, call)
+        output = record_for_backward(output, call.context)  # for recomputation in backward
+        return self._gather_outputs(output, call) if self._gather else output
 
     def _gather_outputs(self, output: Any, call: _Call) -> Any:
         layout, m = call.layout, call.mesh

@@ -8,9 +8,8 @@ from typing import Any
 import torch
 
 from .._checks import normalize_dim
-from .._mesh import Axis
 from .._tree import describe
-from ._context import find_context
+from ._context import SeqContext
 from ._layouts import SeqLayout
 
 
@@ -70,11 +69,10 @@ def check_qkv(
     return sd, hd, hq, hkv
 
 
-def token_layout(fn: str, axis: Axis, n: int, q: torch.Tensor, sd: int) -> SeqLayout:
+def token_layout(fn: str, ctx: SeqContext | None, n: int, q: torch.Tensor, sd: int) -> SeqLayout:
     """The layout of this rank's tokens: the ``shard_map_seq`` context's (checked against q's
     length), else a contiguous sequence of ``n`` equal shards without padding."""
     local = q.shape[sd]
-    ctx = find_context(axis)
     if ctx is None:
         return SeqLayout("contiguous", n * local, n)
     lay = ctx.layout

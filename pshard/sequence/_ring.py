@@ -27,7 +27,6 @@ and ``ring_bytes(...)`` are for tests and benchmarks.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import math
@@ -38,7 +37,16 @@ import torch
 from .. import _comm as raw
 from .._collectives import _call
 from .._mesh import Axis
-from ._layouts import SeqLayout
+from ._context import context_scope, find_context
+from ._layouts import SeqLayout, pad_permute
+from ._masks import (
+    Window,
+    check_segment_ids,
+    check_window,
+    position_mask,
+    segment_mask,
+    visible_counts,
+)
 from ._qkv import check_qkv, token_layout
 
 __all__ = ["BlockCounts", "block_counts", "ring_attention"]
@@ -68,11 +76,10 @@ class BlockCounts(NamedTuple):
 
 
 class _Step(NamedTuple):
-    """One matmul of a step: query chunk ``q`` against key rows ``[lo, hi)`` of the block."""
+    """One matmul of a step: query chunk ``q`` against key chunk ``k`` of the block held."""
 
     q: int
-    lo: int
-    hi: int
+    k: int
     masked: bool
 
 
@@ -80,28 +87,29 @@ def _bounds(local: int, chunks: int) -> tuple[int, ...]:
     return tuple(local * i // chunks for i in range(chunks + 1))
 
 
-def _chunks(layout: SeqLayout, causal: bool) -> int:
-    return 2 if causal and layout.local_length % 2 == 0 and layout.local_length else 1
+def _chunks(layout: SeqLayout, causal: bool, window: Window | None) -> int:
+    banded = causal or window is not None
+    return 2 if banded and layout.local_length % 2 == 0 and layout.local_length else 1
 
 
-def _classify(qs: tuple[int, ...], ks: tuple[int, ...], length: int, causal: bool) -> str:
+def _classify(
+    qs: tuple[int, ...], ks: tuple[int, ...], length: int, causal: bool, window: Window | None
+) -> str:
     """``"skip"``, ``"full"`` or ``"partial"`` for sorted query and key positions."""
-    nq, nk = bisect.bisect_left(qs, length), bisect.bisect_left(ks, length)  # real tokens
-    if not nq or not nk or (causal and ks[0] > qs[nq - 1]):
+    seen = visible_counts(qs, ks, length, causal, window)
+    if not seen.any():
         return "skip"
-    if nq == len(qs) and nk == len(ks) and (not causal or ks[-1] <= qs[0]):
-        return "full"
-    return "partial"
+    return "full" if bool((seen == len(ks)).all()) else "partial"
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(
-    kind: str, length: int, size: int, rank: int, causal: bool
+    kind: str, length: int, size: int, rank: int, causal: bool, window: Window | None = None
 ) -> tuple[tuple[tuple[_Step, ...], ...], BlockCounts]:
-    """For each ring step ``t`` (holding the block of rank ``(rank - t) % size``), the matmuls
-    to run; and the pair counts."""
+    """For each ring step ``t`` (holding the block of rank ``(rank - t) % size``), the
+    (query chunk, key chunk) matmuls to run, by position alone; and the pair counts."""
     layout = SeqLayout(kind, length, size)
-    b = _bounds(layout.local_length, _chunks(layout, causal))
+    b = _bounds(layout.local_length, _chunks(layout, causal, window))
     mine = layout.positions(rank)
     counts = {"full": 0, "partial": 0, "skip": 0}
     steps = []
@@ -109,32 +117,65 @@ def _plan(
         theirs = layout.positions((rank - t) % size)
         step = []
         for a in range(len(b) - 1):
-            qs = mine[b[a] : b[a + 1]]
-            kinds = [
-                _classify(qs, theirs[b[j] : b[j + 1]], length, causal) for j in range(len(b) - 1)
-            ]
-            for x in kinds:
+            for j in range(len(b) - 1):
+                x = _classify(
+                    mine[b[a] : b[a + 1]], theirs[b[j] : b[j + 1]], length, causal, window
+                )
                 counts[x] += 1
-            used = [j for j, x in enumerate(kinds) if x != "skip"]
-            if used:  # with two chunks, the used ones are always one range
-                masked = any(kinds[j] == "partial" for j in used)
-                step.append(_Step(a, b[used[0]], b[used[-1] + 1], masked))
+                if x != "skip":
+                    step.append(_Step(a, j, x == "partial"))
         steps.append(tuple(step))
     return tuple(steps), BlockCounts(counts["full"], counts["partial"], counts["skip"])
 
 
-def block_counts(kind: str, length: int, size: int, causal: bool) -> tuple[BlockCounts, ...]:
+def block_counts(
+    kind: str,
+    length: int,
+    size: int,
+    causal: bool,
+    window: int | tuple[int | None, int | None] | None = None,
+    segment_ids: torch.Tensor | None = None,
+) -> tuple[BlockCounts, ...]:
     """Per-rank :class:`BlockCounts` of ``ring_attention`` for a sequence of ``length`` tokens
-    laid out by ``kind`` on ``size`` ranks (the schedule the kernel runs).
+    laid out by ``kind`` on ``size`` ranks (the schedule the kernel runs). With
+    ``segment_ids`` (the whole sequence's, ``(batch, length)``) the pairs the segments mask
+    for every row are counted as skipped, and pairs they mask in part as partial, as the kernel
+    decides at run time.
 
     Example:
+        >>> import torch
         >>> from pshard.sequence._ring import block_counts
         >>> [c.work for c in block_counts("contiguous", 8, 2, causal=True)]
         [2.0, 6.0]
         >>> [c.work for c in block_counts("zigzag", 8, 2, causal=True)]
         [4.0, 4.0]
+        >>> two_docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+        >>> [c.skipped for c in block_counts("zigzag", 8, 2, True, segment_ids=two_docs)]
+        [5, 5]
     """
-    return tuple(_plan(kind, length, size, r, bool(causal))[1] for r in range(size))
+    win = check_window("block_counts", window)
+    if segment_ids is None:
+        return tuple(_plan(kind, length, size, r, bool(causal), win)[1] for r in range(size))
+    layout = SeqLayout(kind, length, size)
+    spec = _Spec(layout, bool(causal), 1.0, 1, win)
+    every = pad_permute(segment_ids.to(torch.int64), 1, layout, -1)
+    out = []
+    for r in range(size):
+        steps, static = _plan(kind, length, size, r, bool(causal), win)
+        b = _bounds(layout.local_length, _chunks(layout, spec.causal, win))
+        segs = (every.chunk(size, 1)[r], every)
+        full = partial = 0
+        for t in range(size):
+            for st in steps[t]:
+                mask = _block_mask(spec, r, (r - t) % size, st, b, segs, every.device)
+                full += mask is None
+                partial += mask is not None and mask is not False
+        out.append(
+            BlockCounts(
+                full, partial, static.full + static.partial + static.skipped - full - partial
+            )
+        )
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- the kernel
@@ -148,21 +189,44 @@ class _Spec:
     causal: bool
     scale: float
     groups: int  # query heads per key/value head
+    window: Window | None = None
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _mask(spec: _Spec, rank: int, src: int, q: tuple[int, int], k: tuple[int, int], device) -> Any:
-    """Boolean ``(lq, lk)``: which keys each query may see."""
+def _block_mask(
+    spec: _Spec,
+    rank: int,
+    src: int,
+    st: _Step,
+    b: tuple[int, ...],
+    segs: tuple[torch.Tensor, torch.Tensor] | None,
+    device: torch.device,
+) -> Any:
+    """The mask of one matmul: ``None`` (every key visible), a boolean ``(lq, lk)`` or
+    ``(batch..., 1, 1, lq, lk)`` mask, or ``False`` when the segments leave nothing visible in
+    any row (the matmul is skipped). Forward and backward both call it, so they agree."""
     lay = spec.layout
-    qp = lay.position_tensor(rank, device)[q[0] : q[1]]
-    kp = lay.position_tensor(src, device)[k[0] : k[1]]
-    ok = (qp < lay.length).unsqueeze(-1) & (kp < lay.length)
-    if spec.causal:
-        ok = ok & (kp <= qp.unsqueeze(-1))
-    return ok
+    q0, q1, k0, k1 = b[st.q], b[st.q + 1], b[st.k], b[st.k + 1]
+    mask = None
+    if st.masked:
+        qp = lay.position_tensor(rank, device)[q0:q1]
+        kp = lay.position_tensor(src, device)[k0:k1]
+        mask = position_mask(qp, kp, lay.length, spec.causal, spec.window)
+    if segs is None:
+        return mask
+    mine, every = segs
+    off = src * lay.local_length
+    m = segment_mask(mine[..., q0:q1], every[..., off + k0 : off + k1])
+    if mask is not None:
+        m = m & mask
+    if not bool(m.any()):
+        return False
+    if bool(m.all()):
+        return None
+    return m.unsqueeze(-3).unsqueeze(-3)
 
 
 def _scores(qa, kb, mask, spec: _Spec, acc) -> torch.Tensor:
@@ -188,12 +252,18 @@ def _unfold(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
     return torch.cat([p.unflatten(-2, (groups, -1)) for p in parts], -2)
 
 
-def _ring_forward(q, k, v, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q``: ``(..., hkv, g, L, d)``; ``k``, ``v``: ``(..., hkv, L, d)``. Returns ``out``
+def _schedule(spec: _Spec, n: int, r: int) -> tuple[Any, tuple[int, ...]]:
+    lay = spec.layout
+    steps, _ = _plan(lay.kind, lay.length, n, r, spec.causal, spec.window)
+    return steps, _bounds(lay.local_length, _chunks(lay, spec.causal, spec.window))
+
+
+def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q``: ``(..., hkv, g, L, d)``; ``k``, ``v``: ``(..., hkv, L, d)``; ``segs``: ``None``
+    or (this rank's segment ids ``(..., L)``, every rank's ``(..., N * L)``). Returns ``out``
     ``(..., hkv, g, L, dv)`` in q's dtype and ``lse`` ``(..., hkv, g, L)`` in the acc dtype."""
     acc, n, r, dk = _acc(q.dtype), c.size, c.rank, k.shape[-1]
-    steps, _ = _plan(spec.layout.kind, spec.layout.length, n, r, spec.causal)
-    b = _bounds(spec.layout.local_length, _chunks(spec.layout, spec.causal))
+    steps, b = _schedule(spec, n, r)
     qs = [_fold(q, b[a], b[a + 1]) for a in range(len(b) - 1)]
     outs = [q.new_zeros((*x.shape[:-1], v.shape[-1]), dtype=acc) for x in qs]
     lses = [q.new_full(x.shape[:-1], -math.inf, dtype=acc) for x in qs]
@@ -205,15 +275,14 @@ def _ring_forward(q, k, v, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torc
         # The next block travels while this one is computed against.
         nxt, pending = raw.ppermute_start(kv, c, perm) if t < n - 1 else (None, [])
         for st in steps[t]:
-            mask = (
-                _mask(spec, r, src, (b[st.q], b[st.q + 1]), (st.lo, st.hi), q.device)
-                if st.masked
-                else None
-            )
-            s = _scores(qs[st.q], kb[..., st.lo : st.hi, :], mask, spec, acc)
+            mask = _block_mask(spec, r, src, st, b, segs, q.device)
+            if mask is False:
+                continue
+            lo, hi = b[st.k], b[st.k + 1]
+            s = _scores(qs[st.q], kb[..., lo:hi, :], mask, spec, acc)
             lse_b = torch.logsumexp(s, -1)
             p = torch.exp(s - _finite(lse_b).unsqueeze(-1))
-            o_b = torch.matmul(p.to(v.dtype), vb[..., st.lo : st.hi, :]).to(acc)
+            o_b = torch.matmul(p.to(v.dtype), vb[..., lo:hi, :]).to(acc)
             lse = torch.logaddexp(lses[st.q], lse_b)
             base = _finite(lse)
             outs[st.q] = outs[st.q] * torch.exp(lses[st.q] - base).unsqueeze(-1) + o_b * torch.exp(
@@ -226,10 +295,9 @@ def _ring_forward(q, k, v, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torc
     return out, torch.cat([x.unflatten(-1, (spec.groups, -1)) for x in lses], -1)
 
 
-def _ring_backward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):
+def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
     acc, n, r, dk = _acc(q.dtype), c.size, c.rank, k.shape[-1]
-    steps, _ = _plan(spec.layout.kind, spec.layout.length, n, r, spec.causal)
-    b = _bounds(spec.layout.local_length, _chunks(spec.layout, spec.causal))
+    steps, b = _schedule(spec, n, r)
     chunks = range(len(b) - 1)
     qs = [_fold(q, b[a], b[a + 1]).to(acc) for a in chunks]
     dos = [_fold(dout, b[a], b[a + 1]).to(acc) for a in chunks]
@@ -251,18 +319,17 @@ def _ring_backward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):
         nxt, kv_pending = raw.ppermute_start(kv, c, perm) if t < n - 1 else (None, [])
         dkv = torch.zeros_like(kv)
         for st in steps[t]:
-            mask = (
-                _mask(spec, r, src, (b[st.q], b[st.q + 1]), (st.lo, st.hi), q.device)
-                if st.masked
-                else None
-            )
-            kr, vr = kb[..., st.lo : st.hi, :], vb[..., st.lo : st.hi, :]
+            mask = _block_mask(spec, r, src, st, b, segs, q.device)
+            if mask is False:
+                continue
+            lo, hi = b[st.k], b[st.k + 1]
+            kr, vr = kb[..., lo:hi, :], vb[..., lo:hi, :]
             p = torch.exp(_scores(qs[st.q], kr, mask, spec, acc) - lses[st.q].unsqueeze(-1))
             dp = torch.matmul(dos[st.q], vr.transpose(-1, -2))
             ds = p * (dp - deltas[st.q].unsqueeze(-1)) * spec.scale
             dqs[st.q] += torch.matmul(ds, kr)
-            dkv[..., st.lo : st.hi, :dk] += torch.matmul(ds.transpose(-1, -2), qs[st.q])
-            dkv[..., st.lo : st.hi, dk:] += torch.matmul(p.transpose(-1, -2), dos[st.q])
+            dkv[..., lo:hi, :dk] += torch.matmul(ds.transpose(-1, -2), qs[st.q])
+            dkv[..., lo:hi, dk:] += torch.matmul(p.transpose(-1, -2), dos[st.q])
         raw.wait(dkv_pending)
         if incoming is not None:
             dkv += incoming
@@ -283,22 +350,22 @@ class _Ring(torch.autograd.Function):
     """Forward ``(out, lse)``; backward through :class:`_RingGrad`."""
 
     @staticmethod
-    def forward(q, k, v, c: raw.Comm, spec: _Spec):  # type: ignore[override]
-        return _ring_forward(q, k, v, c, spec)
+    def forward(q, k, v, mine, every, c: raw.Comm, spec: _Spec):  # type: ignore[override]
+        return _ring_forward(q, k, v, None if mine is None else (mine, every), c, spec)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        q, k, v, c, spec = inputs
+        q, k, v, mine, every, c, spec = inputs
         out, lse = output
         ctx.c, ctx.spec = c, spec
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mine, every)
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _call(_RingGrad, q, k, v, out, lse, dout, ctx.c, ctx.spec)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, mine, every = ctx.saved_tensors
+        dq, dk, dv = _call(_RingGrad, q, k, v, out, lse, dout, mine, every, ctx.c, ctx.spec)
+        return dq, dk, dv, None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -328,8 +395,9 @@ class _RingGrad(torch.autograd.Function):
     silently missing the communication."""
 
     @staticmethod
-    def forward(q, k, v, out, lse, dout, c: raw.Comm, spec: _Spec):  # type: ignore[override]
-        return _ring_backward(q, k, v, out, lse, dout, c, spec)
+    def forward(q, k, v, out, lse, dout, mine, every, c: raw.Comm, spec: _Spec):  # type: ignore[override]
+        segs = None if mine is None else (mine, every)
+        return _ring_backward(q, k, v, out, lse, dout, segs, c, spec)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -358,6 +426,8 @@ def ring_attention(
     *,
     axis: Axis = "sp",
     causal: bool = False,
+    segment_ids: torch.Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
     seq_dim: int = 1,
     head_dim: int = 2,
     scale: float | None = None,
@@ -383,6 +453,20 @@ def ring_attention(
     across ranks, while ``"contiguous"`` leaves the last rank ``2N - 1`` times the work of the
     first.
 
+    Masks (global positions, every layout): ``segment_ids`` restricts each query to the keys of
+    its own segment (packed documents; a negative id sees and is seen by nothing), ``window``
+    to a sliding window (``w``: Hugging Face's ``sliding_window``, query ``i`` sees key ``j``
+    when ``i - w < j``; ``(left, right)``: ``i - left <= j <= i + right``, ``None`` or ``-1``
+    for an unbounded side). Both combine with ``causal``; a query that sees no key outputs 0
+    and gets 0 gradient. Blocks outside the window are skipped by the schedule; the segment ids
+    of every rank are gathered once per call (one all-gather of ints, instead of ``N - 1``
+    transfers beside the K/V blocks), and blocks in which no query shares a segment with any
+    key are skipped at run time.
+
+    Under activation checkpointing (``torch.utils.checkpoint``, reentrant or not) the
+    recomputation in the backward pass uses the layout recorded by the forward's
+    ``shard_map_seq``, so checkpointed layers give the same numbers.
+
     Grouped-query attention: ``k``, ``v`` may have fewer heads than ``q`` (a divisor of them);
     only the key/value heads travel, and each is used by its group of query heads locally.
 
@@ -399,6 +483,9 @@ def ring_attention(
             size, which ``v`` may have different). One floating dtype for all three.
         axis: the sequence-parallel mesh axis.
         causal: causal masking by global position.
+        segment_ids: this rank's segment id of every token, an integer tensor of ``q``'s shape
+            without the head and feature dims (``(batch, seq)`` by default).
+        window: a sliding window on global positions, ``w`` or ``(left, right)``.
         seq_dim: the sequence dim of ``q``, ``k``, ``v``.
         head_dim: the head dim.
         scale: the softmax scale (default ``1 / sqrt(head_size)``).
@@ -408,9 +495,11 @@ def ring_attention(
         dtype).
 
     Raises:
-        ValueError: the key/value heads do not divide the query heads, the shapes disagree, or
-            the local length is not the one ``shard_map_seq`` gave this rank.
-        TypeError: q, k, v are not tensors of one floating dtype.
+        ValueError: the key/value heads do not divide the query heads, the shapes disagree, the
+            local length is not the one ``shard_map_seq`` gave this rank, or the window is
+            malformed.
+        TypeError: q, k, v are not tensors of one floating dtype, or ``segment_ids`` is not an
+            integer tensor.
 
     Example:
         >>> import torch, pshard as ps
@@ -423,12 +512,19 @@ def ring_attention(
         True
     """
     sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim, one_dtype=True)
-    c = raw.comm(axis, _FN)
-    layout = token_layout(_FN, axis, c.size, q, sd)
+    win = check_window(_FN, window)
+    mine = None if segment_ids is None else check_segment_ids(_FN, segment_ids, q, sd, hd)
+    ctx = find_context(axis)
+    with context_scope(ctx):
+        c = raw.comm(axis, _FN)
+    layout = token_layout(_FN, ctx, c.size, q, sd)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    spec = _Spec(layout, bool(causal), float(scale), hq // hkv)
+    spec = _Spec(layout, bool(causal), float(scale), hq // hkv, win)
+    every = None
+    if mine is not None:
+        every = raw.all_gather(mine, c, mine.dim() - 1, True) if c.size > 1 else mine
     qt = q.movedim((hd, sd), (-3, -2)).unflatten(-3, (hkv, hq // hkv))
     kt, vt = (t.movedim((hd, sd), (-3, -2)) for t in (k, v))
-    out, _ = _call(_Ring, qt, kt, vt, c, spec)
+    out, _ = _call(_Ring, qt, kt, vt, mine, every, c, spec)
     return out.flatten(-4, -3).movedim((-3, -2), (hd, sd))

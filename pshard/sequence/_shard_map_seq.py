@@ -34,7 +34,7 @@ from .._tree import (
     tree_leaves,
     tree_unflatten,
 )
-from ._context import SeqContext, normalize_axis, sequence_context
+from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
 from ._layouts import SeqLayout, check_layout, pad_permute, unpermute_unpad
 
 __all__ = ["shard_map_seq"]
@@ -254,7 +254,7 @@ def shard_map_seq(
                 f"(batch, seq) tensors)"
             )
         lay = SeqLayout(layout, length, info.size)
-        ctx = SeqContext(key, lay, info.rank, device)
+        ctx = SeqContext(key, lay, info.rank, device, m)
         flat = [
             x if d is None else pad_permute(x, d, lay, _pad_value(pad, keystr(path, "pad_values")))
             for path, x, d, pad in zip(paths, leaves, dims, pads, strict=True)
@@ -264,6 +264,7 @@ def shard_map_seq(
         def body(flat_inner: list[Any], **kw: Any) -> Any:
             with sequence_context(ctx):
                 out = fn(*tree_unflatten(treedef, flat_inner), **kw)
+            out = record_for_backward(out, ctx)  # for recomputation (checkpointing) in backward
             out_paths, out_leaves, out_def = tree_flatten_with_path(out)
             out_flat = resolve_specs(out_tree, out_leaves, out_def, name="out_specs", fn_name=_FN)
             for path, y, spec in zip(out_paths, out_leaves, out_flat, strict=True):

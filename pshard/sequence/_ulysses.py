@@ -8,19 +8,30 @@ put back in sequence order and the padding is dropped (one ``index_select``, or 
 unpadded contiguous layout), so the attention itself is plain full or causal attention over the
 true sequence, and any fast kernel applies. The output is padded and permuted back before the
 second all-to-all; padded tokens get zeros and never act as keys.
+
+Segment ids and sliding windows (:mod:`pshard.sequence._masks`) need a mask over the whole
+sequence: the ids of every token are gathered once per call (one small all-gather of ints),
+and ``attn_fn`` gets a boolean ``(batch..., 1, seq, seq)`` ``attn_mask`` in sequence order.
+Queries that see no key get one dummy visible key and a zeroed output, so no kernel ever sees a
+fully masked row (some return NaN for those) and their gradient is exactly 0.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .. import _comm as raw
 from .._mesh import Axis, resolve_axis
+from ._context import context_scope, find_context
 from ._heads import heads_to_seq, seq_to_heads
-from ._layouts import pad_permute, unpermute_unpad
+from ._layouts import SeqLayout, pad_permute, unpermute_unpad
+from ._masks import Window, check_segment_ids, check_window, position_mask, segment_mask
 from ._qkv import check_qkv, token_layout
 
 __all__ = ["ulysses_attention"]
@@ -42,6 +53,34 @@ def _exchange(
     return tuple(seq_to_heads(t, axis, seq_dim=sd, head_dim=hd) for t in (q, k, v))  # type: ignore[return-value]
 
 
+def _takes_mask(attn_fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(attn_fn).parameters.values()
+    except (TypeError, ValueError):  # cannot tell: calling it will say
+        return True
+    return any(p.name == "attn_mask" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _mask(
+    seg: torch.Tensor | None,
+    layout: SeqLayout,
+    causal: bool,
+    window: Window | None,
+    axis: Axis,
+    device: torch.device,
+) -> torch.Tensor:
+    """Boolean ``(batch..., 1, seq, seq)`` (or ``(seq, seq)``) over the true sequence in
+    sequence order: who sees whom by position and segment."""
+    pos = torch.arange(layout.length, device=device)
+    mask = position_mask(pos, pos, layout.length, causal, window)
+    if seg is not None:
+        c = raw.comm(axis, _FN)
+        every = raw.all_gather(seg, c, seg.dim() - 1, True) if c.size > 1 else seg
+        every = unpermute_unpad(every, every.dim() - 1, layout)
+        mask = (mask & segment_mask(every, every)).unsqueeze(-3)
+    return mask
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,6 +88,8 @@ def ulysses_attention(
     *,
     axis: Axis = "sp",
     causal: bool = False,
+    segment_ids: torch.Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
     attn_fn: Callable[..., torch.Tensor] | None = None,
     seq_dim: int = 1,
     head_dim: int = 2,
@@ -69,6 +110,18 @@ def ulysses_attention(
     attended to. Outside, the tokens are taken to be contiguous and unpadded (rank ``r`` holds
     ``[r * L, (r + 1) * L)``).
 
+    Masks (global positions, every layout): ``segment_ids`` restricts each query to the keys of
+    its own segment (packed documents; a negative id sees and is seen by nothing), ``window``
+    to a sliding window (``w``: Hugging Face's ``sliding_window``, query ``i`` sees key ``j``
+    when ``i - w < j``; ``(left, right)``: ``i - left <= j <= i + right``, ``None`` or ``-1``
+    for an unbounded side). Both combine with ``causal``. A query that sees no key outputs 0
+    and gets 0 gradient. With either, ``attn_fn`` is given a boolean ``attn_mask`` over the
+    whole sequence (``True``: may attend), so it must take one.
+
+    Under activation checkpointing (``torch.utils.checkpoint``, reentrant or not) the
+    recomputation in the backward pass uses the layout recorded by the forward's
+    ``shard_map_seq``, so checkpointed layers give the same numbers.
+
     Grouped-query attention: ``k``/``v`` may have fewer heads than ``q`` (a divisor of them).
     When their heads do not divide by ``N``, each is repeated just enough (``N / gcd(heads,
     N)`` times) for every rank to receive the key/value heads its query heads use; the
@@ -80,12 +133,17 @@ def ulysses_attention(
             another head size.
         axis: the sequence-parallel mesh axis.
         causal: causal masking by global position.
+        segment_ids: this rank's segment id of every token, an integer tensor of ``q``'s shape
+            without the head and feature dims (``(batch, seq)`` by default).
+        window: a sliding window on global positions, ``w`` or ``(left, right)``.
         attn_fn: the attention over the whole sequence, called as
             ``attn_fn(q, k, v, is_causal=..., scale=..., enable_gqa=...)`` on
             ``(batch, heads / N, seq, head_size)`` tensors in sequence order with the padding
-            removed (so no mask is needed); ``enable_gqa`` is ``True`` when ``k``, ``v`` have
-            fewer heads than ``q``. Default: ``torch.nn.functional.scaled_dot_product_attention``
-            (whose signature this is); wrap ``flex_attention`` to use it.
+            removed (so causal attention needs no mask); ``enable_gqa`` is ``True`` when ``k``,
+            ``v`` have fewer heads than ``q``. With ``segment_ids`` or ``window`` it is called
+            with ``attn_mask=`` (boolean, ``(batch, 1, seq, seq)``) and ``is_causal=False``.
+            Default: ``torch.nn.functional.scaled_dot_product_attention`` (whose signature
+            this is); wrap ``flex_attention`` to use it.
         seq_dim: the sequence dim of ``q``, ``k``, ``v``.
         head_dim: the head dim.
         scale: the softmax scale (default ``1 / sqrt(head_size)``).
@@ -95,8 +153,10 @@ def ulysses_attention(
 
     Raises:
         ValueError: the query heads do not divide by the axis size, the key/value heads do not
-            divide the query heads, the shapes disagree, or the local length is not the one
-            ``shard_map_seq`` gave this rank.
+            divide the query heads, the shapes disagree, the local length is not the one
+            ``shard_map_seq`` gave this rank, a window is malformed, or a mask is asked for
+            with an ``attn_fn`` that takes no ``attn_mask``.
+        TypeError: ``segment_ids`` is not an integer tensor.
 
     Example:
         >>> import torch, pshard as ps
@@ -109,6 +169,24 @@ def ulysses_attention(
         True
     """
     sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim)
+    win = check_window(_FN, window)
+    seg = None if segment_ids is None else check_segment_ids(_FN, segment_ids, q, sd, hd)
+    if attn_fn is not None and (seg is not None or win is not None) and not _takes_mask(attn_fn):
+        given = " and ".join(
+            name for name, x in (("segment_ids", seg), ("window", win)) if x is not None
+        )
+        raise ValueError(
+            f"{_FN}: {given} needs a mask, but attn_fn "
+            f"{getattr(attn_fn, '__name__', attn_fn)!r} takes no attn_mask argument; give "
+            f"attn_fn an attn_mask parameter (a boolean (batch, 1, seq, seq) mask, True where "
+            f"a query may attend), or leave attn_fn unset"
+        )
+    ctx = find_context(axis)
+    with context_scope(ctx):
+        return _ulysses(q, k, v, axis, bool(causal), seg, win, attn_fn, sd, hd, hq, hkv, scale, ctx)
+
+
+def _ulysses(q, k, v, axis, causal, seg, win, attn_fn, sd, hd, hq, hkv, scale, ctx):
     info = resolve_axis(axis, fn=_FN)
     n = info.size
     if hq % n:
@@ -117,7 +195,7 @@ def ulysses_attention(
             f"divide by the size {n} of axis {info.name!r}; Ulysses attention gives every rank "
             f"heads / {n} query heads: use a head count divisible by {n}, or a smaller axis"
         )
-    layout = token_layout(_FN, axis, n, q, sd)
+    layout = token_layout(_FN, ctx, n, q, sd)
     if attn_fn is None:
         attn_fn = F.scaled_dot_product_attention
     copies = n // math.gcd(hkv, n)
@@ -127,10 +205,16 @@ def ulysses_attention(
     qh, kh, vh = _exchange(q, k, v, axis, n, sd, hd)
     # (..., heads / N, padded seq in permuted order, size) -> sequence order, padding dropped
     qh, kh, vh = (unpermute_unpad(t.movedim((hd, sd), (-3, -2)), -2, layout) for t in (qh, kh, vh))
-    if layout.length:
+    gqa = hq != hkv * copies
+    if layout.length and (seg is not None or win is not None):
+        mask = _mask(seg, layout, causal, win, axis, q.device)
+        seen = mask.any(-1, keepdim=True)  # queries that see at least one key
         out = attn_fn(
-            qh, kh, vh, is_causal=bool(causal), scale=scale, enable_gqa=hq != hkv * copies
+            qh, kh, vh, attn_mask=mask | ~seen, is_causal=False, scale=scale, enable_gqa=gqa
         )
+        out = torch.where(seen, out, out.new_zeros(()))
+    elif layout.length:
+        out = attn_fn(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=gqa)
     else:  # an empty sequence: nothing to attend to
         out = qh.new_zeros((*qh.shape[:-1], vh.shape[-1]))
     out = pad_permute(out, out.dim() - 2, layout, 0.0).movedim((-3, -2), (hd, sd))
