@@ -325,3 +325,41 @@ def full_attention(q, k, v, causal):
 def seq_block(x: torch.Tensor, lay: SeqLayout, r: int) -> torch.Tensor:
     """Rank ``r``'s block of ``x`` (sequence on dim 1) under ``lay``, zero-padded."""
     return pad_permute(x, 1, lay, 0.0).chunk(lay.size, 1)[r]
+
+
+def reference_mask(length: int, segment_ids=None, causal=False, window=None) -> torch.Tensor:
+    """The oracle's mask, written from the definitions: boolean ``(batch or 1, s, s)``, True
+    where query ``i`` sees key ``j``. ``window``: an int ``w`` (Hugging Face's
+    ``sliding_window``: ``i - w < j``) or ``(left, right)`` (``i - left <= j <= i + right``,
+    ``None`` for an unbounded side)."""
+    i = torch.arange(length).view(-1, 1)
+    j = torch.arange(length).view(1, -1)
+    mask = torch.ones(length, length, dtype=torch.bool)
+    if causal:
+        mask &= j <= i
+    if isinstance(window, int):
+        mask &= i - window < j
+    elif window is not None:
+        left, right = window
+        if left is not None:
+            mask &= j >= i - left
+        if right is not None:
+            mask &= j <= i + right
+    mask = mask.unsqueeze(0)
+    if segment_ids is not None:
+        seg = segment_ids.unsqueeze(-1)
+        mask = mask & (seg == segment_ids.unsqueeze(-2)) & (seg >= 0)
+    return mask
+
+
+def masked_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of ``(batch, seq, heads, size)`` inputs under a boolean ``(batch or 1, s,
+    s)`` mask, by explicit softmax (GQA by repeating k, v); a query that sees no key gets 0."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(groups, 2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    m = mask.unsqueeze(1)
+    seen = m.any(-1, keepdim=True)
+    p = torch.softmax(torch.where(m & seen, s, torch.where(seen, -torch.inf, 0.0)), -1)
+    p = torch.where(seen, p, 0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)

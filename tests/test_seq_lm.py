@@ -102,9 +102,8 @@ def test_prepare_errors() -> None:
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "prepare_lm_batch: batch['attention_mask'] has 3 tokens along dim 1 (shape (1, 3)) "
-            "but batch['labels'] has 2 (shape (1, 2)); every sequence tensor must have the same "
-            "length"
+            "prepare_lm_batch: batch['attention_mask'] must be a (batch, seq) = (1, 2) tensor "
+            "like the labels, got "
         ),
     ):
         ps.prepare_lm_batch({"labels": torch.ones(1, 2), "attention_mask": torch.ones(1, 3)})

@@ -45,8 +45,18 @@ def prepare_lm_batch(
     - ``"shift_labels"``: the target of every position, ``labels`` shifted left by one over the
       *whole* sequence, the last position getting ``ignore_index``. The loss at position ``t``
       is ``cross_entropy(logits[:, t], shift_labels[:, t])``, with no further shift. (Hugging
-      Face causal-LM losses use ``shift_labels`` as they are when it is passed.)
-    - ``"position_ids"``: ``arange(seq_len)`` per row, when absent.
+      Face causal-LM losses use ``shift_labels`` as they are when it is passed.) A given
+      ``shift_labels`` is kept as it is.
+    - ``"position_ids"``: ``arange(seq_len)`` per row, when absent. Given ones are kept, so the
+      per-document positions of packed rows survive the split.
+    - ``"segment_ids"``: when the batch has padding (``attention_mask`` zeros, left or right)
+      or packed documents (``position_ids`` restarting at 0 inside a row, as Hugging Face's
+      ``DataCollatorWithFlattening`` makes them), an int64 ``(batch, seq)`` tensor for the
+      attention functions' ``segment_ids``: each document of a row gets its own id (a new one
+      starts wherever ``position_ids`` is 0) and padding gets -1 (it sees, and is seen by,
+      nothing). Absent when there is neither (plain causal attention needs no mask); a given
+      one is kept. Packed labels should hold ``ignore_index`` at each document's first token
+      (the collator does this), so that no target crosses a document boundary.
     - ``"logits_to_keep"``: an int ``k`` (the argument, else an int in ``batch``) becomes a
       boolean mask over the whole sequence, ``True`` on the last ``k`` positions (``k == 0``
       keeps every position, as in Hugging Face models), so that splitting it gives each rank
@@ -66,7 +76,9 @@ def prepare_lm_batch(
 
     Raises:
         TypeError: ``batch`` is not a Mapping.
-        ValueError: no ``labels`` nor ``input_ids``, or tensors whose sequence lengths differ.
+        ValueError: no ``labels`` nor ``input_ids``, or a tensor whose shape does not fit the
+            batch (an ``attention_mask``, ``position_ids`` or ``segment_ids`` that is not
+            ``(batch, seq)``, a ``logits_to_keep`` mask that is not ``(seq,)``).
 
     Example:
         >>> import torch, pshard as ps
@@ -92,31 +104,46 @@ def prepare_lm_batch(
                 f"{fn}: the batch has neither 'labels' nor an 'input_ids' tensor to derive them "
                 f"from (keys {list(out)}); add one of them"
             )
-        labels = ids.clone()
-        mask = out.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
-            labels = labels.masked_fill(mask == 0, ignore_index)
-        out["labels"] = labels
+        labels = ids
     if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
         raise ValueError(
             f"{fn}: batch['labels'] must be a tensor of shape (batch, seq, ...), got "
             f"{describe(labels)}"
         )
     seq_len = labels.shape[1]
-    for key in ("input_ids", "attention_mask", "position_ids"):
+    for key in ("input_ids", "shift_labels"):
         value = out.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] != seq_len:
+        if isinstance(value, torch.Tensor) and (value.dim() < 2 or value.shape[1] != seq_len):
             raise ValueError(
-                f"{fn}: batch[{key!r}] has {value.shape[1]} tokens along dim 1 (shape "
-                f"{tuple(value.shape)}) but batch['labels'] has {seq_len} (shape "
-                f"{tuple(labels.shape)}); every sequence tensor must have the same length"
+                f"{fn}: batch[{key!r}] has shape {tuple(value.shape)} but batch['labels'] has "
+                f"{seq_len} tokens along dim 1 (shape {tuple(labels.shape)}); every sequence "
+                f"tensor must have the same length"
             )
-    if seq_len:
-        pad = [0, 0] * (labels.dim() - 2) + [0, 1]
-        shifted = F.pad(labels.narrow(1, 1, seq_len - 1), pad, value=ignore_index)
-    else:
-        shifted = labels.clone()
-    out["shift_labels"] = shifted
+    rows = (labels.shape[0], seq_len)
+    for key in ("attention_mask", "position_ids", "segment_ids"):
+        value = out.get(key)
+        if value is not None and (not isinstance(value, torch.Tensor) or value.shape != rows):
+            raise ValueError(
+                f"{fn}: batch[{key!r}] must be a (batch, seq) = {rows} tensor like the labels, "
+                f"got {describe(value)}"
+            )
+    mask = out.get("attention_mask")
+    if "labels" not in out:
+        out["labels"] = labels = (
+            labels.clone() if mask is None else labels.masked_fill(mask == 0, ignore_index)
+        )
+    if out.get("shift_labels") is None:
+        if seq_len:
+            pad = [0, 0] * (labels.dim() - 2) + [0, 1]
+            shifted = F.pad(labels.narrow(1, 1, seq_len - 1), pad, value=ignore_index)
+        else:
+            shifted = labels.clone()
+        out["shift_labels"] = shifted
+    shifted = out["shift_labels"]
+    if out.get("segment_ids") is None:
+        segments = _segments(out.get("position_ids"), mask)
+        if segments is not None:
+            out["segment_ids"] = segments
     if out.get("position_ids") is None:
         out["position_ids"] = (
             torch.arange(seq_len, dtype=torch.int64, device=labels.device)
@@ -129,12 +156,41 @@ def prepare_lm_batch(
         positions = torch.arange(seq_len, device=labels.device)
         keep = positions >= (seq_len - k if k else 0)
     if keep is not None:
+        if keep.dtype != torch.bool or keep.shape != (seq_len,):
+            raise ValueError(
+                f"{fn}: logits_to_keep must be an int or a boolean mask of shape ({seq_len},) "
+                f"over the sequence, got {describe(keep)}"
+            )
         out["logits_to_keep"] = keep
     targets = shifted != ignore_index
-    if isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.shape == (seq_len,):
+    if keep is not None:
         targets = targets & keep.view(1, seq_len, *([1] * (shifted.dim() - 2)))
     out["num_items_in_batch"] = targets.sum()
     return out
+
+
+def _segments(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Segment ids of packed rows and padding (see :func:`prepare_lm_batch`), or ``None``
+    when the batch has neither."""
+    padded = attention_mask is not None and bool((attention_mask == 0).any())
+    starts = None
+    if position_ids is not None and position_ids.shape[1] > 1:
+        starts = position_ids == 0
+        if not bool(starts[:, 1:].any()):
+            starts = None
+    if not padded and starts is None:
+        return None
+    like = position_ids if position_ids is not None else attention_mask
+    if starts is None:
+        starts = torch.zeros(like.shape, dtype=torch.bool, device=like.device)
+    starts = starts.clone()
+    starts[:, 0] = True  # the first token starts segment 0
+    seg = starts.to(torch.int64).cumsum(1) - 1
+    if attention_mask is not None:
+        seg = seg.masked_fill(attention_mask == 0, -1)
+    return seg
 
 
 def token_mean_loss(
