@@ -198,7 +198,9 @@ def test_against_full_attention_with_masks(pool, n: int) -> None:
             for fn in ATTENTION:
                 y, grads, fgrads = got[r][c][fn]
                 msg = f"{fn} rank {r} {kind} s={s} heads {hq}/{hkv} {name}"
-                torch.testing.assert_close(y, seq_block(ref.detach(), lay, r) * real, msg=msg, **TOL)
+                torch.testing.assert_close(
+                    y, seq_block(ref.detach(), lay, r) * real, msg=msg, **TOL
+                )
                 for g, fg, rg in zip(grads, fgrads, ref_grads, strict=True):
                     torch.testing.assert_close(g, seq_block(rg, lay, r), msg=msg, **TOL)
                     torch.testing.assert_close(fg, g, msg=msg, **TOL)
@@ -388,6 +390,76 @@ def test_seq_positions_under_checkpointing(pool) -> None:
             torch.testing.assert_close(g, want, **TOL)
 
 
+class CheckpointedLM(torch.nn.Module):
+    """``lm_forward`` as a module (HF-like keyword forward) with checkpointed blocks; with
+    ``attention=None`` it is the single-process reference (the explicit segment mask)."""
+
+    def __init__(self, attention: str | None, reentrant: bool) -> None:
+        super().__init__()
+        params = init_params(4, 2, seed=5)
+        flat = {k: v for k, v in params.items() if isinstance(v, torch.Tensor)}
+        for i in range(2):
+            flat.update({f"block{i}_{k}": v for k, v in params[f"block{i}"].items()})
+        self.p = torch.nn.ParameterDict({k: torch.nn.Parameter(v) for k, v in flat.items()})
+        self.attention, self.reentrant = attention, reentrant
+
+    def forward(self, input_ids, position_ids, segment_ids):
+        params = {"embed": self.p["embed"], "head": self.p["head"]}
+        for i in range(2):
+            params[f"block{i}"] = {
+                k.split("_", 1)[1]: v for k, v in self.p.items() if k.startswith(f"block{i}_")
+            }
+        if self.attention is None:
+            mask = reference_mask(input_ids.shape[1], segment_ids, causal=True)
+            att = lambda q, k, v: masked_attention(q, k, v, mask)  # noqa: E731
+        else:
+            att = functools.partial(ATTENTION[self.attention], causal=True, segment_ids=segment_ids)
+        return {"logits": lm_forward(params, input_ids, position_ids, att, self.reentrant)}
+
+
+def _hooks_worker(n: int) -> list:
+    ps.init_mesh({"sp": n})
+    batch = packed_batch(2 * n + 3, seed=11)
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "segment_ids")}
+    targets = batch["shift_labels"]
+
+    def loss_of(model):
+        total, count = _sums(model(**inputs)["logits"], targets)
+        return total / count
+
+    ref = CheckpointedLM(None, False)
+    ref_loss = loss_of(ref)
+    ref_loss.backward()
+    out = []
+    for layout in ("zigzag", "stripe"):
+        for attention in ATTENTION:
+            for reentrant in (False, True):
+                model = CheckpointedLM(attention, reentrant)
+                with ps.sequence_parallel(model, axis="sp", layout=layout):
+                    loss = loss_of(model)
+                loss.backward()  # outside the block: recomputation finds the recorded layout
+                ps.reduce_gradients(model, "sp")
+                out.append(
+                    {
+                        "config": (layout, attention, reentrant),
+                        "loss": (loss.detach(), ref_loss.detach()),
+                        "grads": [
+                            (p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())
+                        ],
+                    }
+                )
+    return out
+
+
+def test_sequence_parallel_hooks_checkpointed(pool) -> None:
+    for r, per_rank in enumerate(pool.run(2, _hooks_worker, 2)):
+        for res in per_rank:
+            msg = f"rank {r} {res['config']}"
+            torch.testing.assert_close(*res["loss"], msg=msg, **TOL)
+            for got, want in res["grads"]:
+                torch.testing.assert_close(got, want, msg=msg, **TOL)
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -415,7 +487,10 @@ def test_errors() -> None:
     for kwargs, given in (
         ({"window": 2}, "window"),
         ({"segment_ids": torch.zeros(2, 5, dtype=torch.int64)}, "segment_ids"),
-        ({"window": 2, "segment_ids": torch.zeros(2, 5, dtype=torch.int64)}, "segment_ids and window"),
+        (
+            {"window": 2, "segment_ids": torch.zeros(2, 5, dtype=torch.int64)},
+            "segment_ids and window",
+        ),
     ):
         with pytest.raises(
             ValueError,
