@@ -28,7 +28,14 @@ Then the same layer with ``ps.ring_attention`` under each layout, side by side w
   contiguous leaves the last rank ``2N - 1`` times the first.
 - **time per layer** (forward + backward, median of a few runs, slowest rank) on gloo.
 
-    python benchmarks/sequence_parallel.py [--seq 2048] [--batch 1] [--head-size 64]
+Then a packed batch (several documents per row, ``segment_ids``): the chunk pairs each rank
+computes with the segments against plain causal attention, from the kernel's own schedule and
+run-time decisions (``block_counts(..., segment_ids=...)``), the time per layer with and
+without segments, and the two ways of giving every rank the keys' segment ids, timed on their
+own: one all-gather of the ids (what the kernel does) against ``N - 1`` ``ppermute``s of them
+beside the K/V blocks.
+
+    python benchmarks/sequence_parallel.py [--seq 2048] [--batch 1] [--head-size 64] [--packed-only]
 """
 
 from __future__ import annotations
@@ -176,12 +183,98 @@ def _ring_table(args: argparse.Namespace) -> None:
                 )
 
 
+def _documents(s: int, docs: int) -> torch.Tensor:
+    """``(1, s)`` segment ids: ``docs`` documents of uneven lengths (a fixed draw)."""
+    g = torch.Generator().manual_seed(1)
+    cuts = torch.randperm(s - 1, generator=g)[: docs - 1].add(1).sort().values
+    ids = torch.zeros(s, dtype=torch.int64)
+    ids[cuts] = 1
+    return ids.cumsum(0).unsqueeze(0)
+
+
+def _packed_layer(args: argparse.Namespace, n: int, seg: torch.Tensor) -> dict:
+    from pshard import _comm as raw
+
+    ps.init_mesh({"sp": n})
+    g = torch.Generator().manual_seed(0)
+    b, s, d = 1, args.seq, args.head_size
+    q, k, v = (torch.randn(b, s, 8, d, generator=g, requires_grad=True) for _ in range(3))
+    out = {}
+    for with_seg in (False, True):
+        layer = ps.shard_map_seq(
+            lambda q, k, v, ids: ps.ring_attention(
+                q,
+                k,
+                v,
+                causal=True,
+                segment_ids=ids if with_seg else None,  # noqa: B023
+            ),
+            in_specs=ps.Shard(1),
+            out_specs=ps.Shard(1),
+            layout="zigzag",
+            pad_values=(0.0, 0.0, 0.0, -1),
+        )
+        out[with_seg] = _timed(lambda: layer(q, k, v, seg).sum().backward())  # noqa: B023
+    c = raw.comm("sp", "benchmark")
+    mine = seg.chunk(n, 1)[c.rank].contiguous()
+    perm = tuple((i, (i + 1) % n) for i in range(n))
+
+    def travel():
+        x = mine
+        for _ in range(n - 1):
+            x = raw.ppermute(x, c, perm)
+
+    out["gather"] = _timed(lambda: raw.all_gather(mine, c, 1, True), repeats=21)
+    out["travel"] = _timed(travel, repeats=21)
+    return out
+
+
+def _packed_table(args: argparse.Namespace) -> None:
+    from pshard.sequence._ring import block_counts
+
+    s = args.seq
+    print()
+    print(
+        f"ring_attention on a packed row (causal, b=1, s={s}, 8/8 heads, head size "
+        f"{args.head_size}): chunk pairs computed per rank (of 4N) with segment ids and without"
+    )
+    print(
+        f"{'N':>2} {'docs':>4} {'layout':>10} | {'pairs w/ seg':>12} {'causal only':>12} "
+        f"{'skipped by seg':>14} | {'fwd+bwd seg':>11} {'causal':>9} | "
+        f"{'ids: gather':>11} {'N-1 ppermute':>12}"
+    )
+    for docs in (8, 32):
+        seg = _documents(s, docs)
+        for n in (2, 4):
+            res = ps.spawn(_packed_layer, args, n, seg, nprocs=n)[0]
+            for layout in ("contiguous", "zigzag", "stripe"):
+                with_seg = block_counts(layout, s, n, True, segment_ids=seg)
+                plain = block_counts(layout, s, n, True)
+                done = [c.full + c.partial for c in with_seg]
+                base = [c.full + c.partial for c in plain]
+                skipped = 1 - sum(done) / sum(base)
+                times = ""
+                if layout == "zigzag":
+                    times = (
+                        f"{res[True] * 1e3:8.1f} ms {res[False] * 1e3:6.1f} ms | "
+                        f"{res['gather'] * 1e6:8.0f} us {res['travel'] * 1e6:9.0f} us"
+                    )
+                print(
+                    f"{n:>2} {docs:>4} {layout:>10} | {min(done):>5}-{max(done):<6} "
+                    f"{min(base):>5}-{max(base):<6} {skipped:13.0%} | {times}"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--packed-only", action="store_true", help="only the packed-row table")
     args = parser.parse_args()
+    if args.packed_only:
+        _packed_table(args)
+        return
     b, s, d = args.batch, args.seq, args.head_size
     print(f"one causal attention layer, b={b}, s={s}, head size {d}, float32, gloo on CPU")
     print(
@@ -201,6 +294,7 @@ def main() -> None:
                 f"{res['saved'] / 2**20:9.2f} MB {res['saved'] / base:7.2f}"
             )
     _ring_table(args)
+    _packed_table(args)
 
 
 if __name__ == "__main__":
