@@ -8,7 +8,11 @@ errors."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import io
+import pathlib
 import re
 
 import numpy as np
@@ -171,7 +175,7 @@ def _worker(n: int, data: list) -> list:
                 y = fn(*xs)
                 grads = torch.autograd.grad((y * mine_cot).sum(), xs)
                 fgrads = torch.func.grad(
-                    lambda q, k, v, fn=fn: (fn(q, k, v) * mine_cot).sum(), argnums=(0, 1, 2)
+                    lambda q, k, v, fn=fn, c=mine_cot: (fn(q, k, v) * c).sum(), argnums=(0, 1, 2)
                 )(*local)
                 per_fn[name] = (y.detach(), grads, fgrads)
         out.append(per_fn)
@@ -362,6 +366,44 @@ def test_packed_checkpointed_lm_matches_single_process(pool, n: int) -> None:
                         torch.testing.assert_close(x, y, msg=f"{msg} {key}", **TOL)
 
 
+def _train(loss_fn, params: dict, batch: dict, steps: int = 3, lr: float = 0.5) -> list:
+    """Plain SGD on ``loss_fn``; the loss of every step."""
+    params = tree_map(lambda t: t.detach().clone(), params)
+    curve = []
+    for _ in range(steps):
+        leaves = tree_map(lambda t: t.requires_grad_(True), params)
+        value = loss_fn(leaves, batch)
+        value.backward()
+        curve.append(value.detach())
+        params = tree_map(lambda t: (t - lr * t.grad).detach(), leaves)
+    return curve
+
+
+def _training_worker(n: int) -> dict:
+    """Three SGD steps of the packed, checkpointed LM under each attention against one process."""
+    ps.init_mesh({"sp": n})
+    params, batch = init_params(4, 2, seed=9), packed_batch(2 * n + 1, seed=9)
+    out = {"reference": _train(ref_lm_loss, params, batch)}
+    for attention in ATTENTION:
+        loss = ps.shard_map_seq(
+            functools.partial(local_lm_loss, attention=attention, reentrant=False),
+            in_specs=(None, LM_SPECS),
+            out_specs=ps.Replicate(),
+            layout="zigzag",
+            pad_values=(0, LM_PADS),
+        )
+        out[attention] = _train(loss, params, batch)
+    return out
+
+
+def test_packed_checkpointed_lm_trains_like_single_process(pool) -> None:
+    for res in pool.run(2, _training_worker, 2):
+        want = torch.stack(res.pop("reference"))
+        assert want[-1] < want[0]  # it trains
+        for attention, curve in res.items():
+            torch.testing.assert_close(torch.stack(curve), want, msg=attention, **TOL)
+
+
 def _positions_worker(n: int) -> list:
     """seq_positions() inside a checkpointed function is recomputed with the forward's layout."""
     ps.init_mesh({"sp": n})
@@ -444,7 +486,8 @@ def _hooks_worker(n: int) -> list:
                         "config": (layout, attention, reentrant),
                         "loss": (loss.detach(), ref_loss.detach()),
                         "grads": [
-                            (p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())
+                            (p.grad, q.grad)
+                            for p, q in zip(model.parameters(), ref.parameters(), strict=True)
                         ],
                     }
                 )
@@ -551,3 +594,18 @@ def test_schedule_counts_every_pair() -> None:
                 for c in block_counts(kind, 11, 3, causal, window=window):
                     assert isinstance(c, BlockCounts)
                     assert c.full + c.partial + c.skipped in (3, 12)
+
+
+def test_docs_masks_example_runs() -> None:
+    """The python block of docs/sequence.md's masks section runs and prints what it says."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "sequence.md").read_text()
+    section = text.split("## Masks", 1)[1].split("\n## ", 1)[0]
+    code, printed = re.findall(r"```(?:python)?\n(.*?)```", section, re.S)[:2]
+    out = io.StringIO()
+
+    def run():
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "docs/sequence.md", "exec"), {"__name__": "docs_sequence"})
+
+    contextvars.copy_context().run(run)  # the example's mesh does not outlive it
+    assert out.getvalue() == printed
