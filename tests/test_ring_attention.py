@@ -27,7 +27,7 @@ from test_seq_model import (
 import pshard as ps
 from pshard._tree import tree_map
 from pshard.sequence._context import SeqContext, sequence_context
-from pshard.sequence._layouts import LAYOUTS, SeqLayout
+from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
 from pshard.sequence._ring import BlockCounts, block_counts
 
 B, D = 2, 3
@@ -239,12 +239,14 @@ def test_block_counts(n: int) -> None:
     assert all(c.partial for c in padded) or n == 1
 
 
-def _count_worker(n: int, s: int, kind: str) -> int:
-    """Blocks the kernel actually computes: score matmuls against key rows, counted."""
+def count_worker(n: int, s: int, kind: str, seg: torch.Tensor | None = None) -> int:
+    """Blocks the kernel actually computes: score matmuls against key rows, counted (with the
+    whole sequence's segment ids ``seg``, ``(1, s)``, when given)."""
     ps.init_mesh({"sp": n})
     r = ps.axis_index("sp")
     lay = SeqLayout(kind, s, n)
     q = torch.randn(1, lay.local_length, 1, 2)
+    mine = None if seg is None else pad_permute(seg, 1, lay, -1).chunk(n, 1)[r]
     rows = 0
     real = torch.matmul
 
@@ -257,7 +259,7 @@ def _count_worker(n: int, s: int, kind: str) -> int:
     torch.matmul = counting
     try:
         with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
-            ps.ring_attention(q, q, q, causal=True)
+            ps.ring_attention(q, q, q, causal=True, segment_ids=mine)
     finally:
         torch.matmul = real
     return rows
@@ -266,7 +268,7 @@ def _count_worker(n: int, s: int, kind: str) -> int:
 def test_kernel_skips_masked_blocks(pool) -> None:
     n, s = 4, 32
     for kind in LAYOUTS:
-        rows = pool.run(n, _count_worker, n, s, kind)
+        rows = pool.run(n, count_worker, n, s, kind)
         chunk = s // n // 2
         want = [(c.full + c.partial) * chunk * chunk for c in block_counts(kind, s, n, True)]
         assert rows == want, kind

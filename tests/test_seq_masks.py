@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import masked_attention, reference_mask, seq_block
+from test_ring_attention import count_worker
 from test_seq_model import _norm, _rope, _sums, init_params
 
 import pshard as ps
@@ -210,37 +211,12 @@ def test_against_full_attention_with_masks(pool, n: int) -> None:
                     torch.testing.assert_close(fg, g, msg=msg, **TOL)
 
 
-def _count_worker(n: int, s: int, kind: str, seg: torch.Tensor) -> int:
-    """Score matmuls the ring kernel computes with segment ids, counted in key rows."""
-    ps.init_mesh({"sp": n})
-    r = ps.axis_index("sp")
-    lay = SeqLayout(kind, s, n)
-    q = torch.randn(1, lay.local_length, 1, 2)
-    mine = pad_permute(seg, 1, lay, -1).chunk(n, 1)[r]
-    rows = 0
-    real = torch.matmul
-
-    def counting(a, b):
-        nonlocal rows
-        if b.shape[-2] == 2:  # q @ k^T: (.., lq, 2) @ (.., 2, lk)
-            rows += a.shape[-2] * b.shape[-1]
-        return real(a, b)
-
-    torch.matmul = counting
-    try:
-        with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
-            ps.ring_attention(q, q, q, causal=True, segment_ids=mine)
-    finally:
-        torch.matmul = real
-    return rows
-
-
 def test_ring_skips_blocks_the_segments_empty(pool) -> None:
     n, s = 4, 32
     seg = torch.arange(s).div(s // 8, rounding_mode="floor").unsqueeze(0)
     chunk = s // n // 2
     for kind in LAYOUTS:
-        rows = pool.run(n, _count_worker, n, s, kind, seg)
+        rows = pool.run(n, count_worker, n, s, kind, seg)
         counts = block_counts(kind, s, n, True, segment_ids=seg)
         assert rows == [(c.full + c.partial) * chunk * chunk for c in counts], kind
         assert rows < [(c.full + c.partial) * chunk * chunk for c in block_counts(kind, s, n, True)]
