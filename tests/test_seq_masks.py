@@ -14,6 +14,7 @@ import functools
 import io
 import pathlib
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -477,6 +478,46 @@ def test_sequence_parallel_hooks_checkpointed(pool) -> None:
             torch.testing.assert_close(*res["loss"], msg=msg, **TOL)
             for got, want in res["grads"]:
                 torch.testing.assert_close(got, want, msg=msg, **TOL)
+
+
+def _checkpointed_ring(x: torch.Tensor) -> torch.Tensor:
+    attend = functools.partial(ps.ring_attention, causal=True)
+    return torch.utils.checkpoint.checkpoint(attend, x, x, x, use_reentrant=False)
+
+
+def _two_maps_worker(n: int, lengths: tuple[int, int]) -> Any:
+    """Two checkpointed maps of different lengths differentiated in one backward pass."""
+    ps.init_mesh({"sp": n})
+    attend = ps.shard_map_seq(_checkpointed_ring, in_specs=ps.Shard(1), out_specs=ps.Shard(1))
+    xs = [
+        torch.linspace(-1, 1, s * 4, dtype=torch.float64).view(1, s, 2, 2).requires_grad_(True)
+        for s in lengths
+    ]
+    try:
+        sum((attend(x) ** 2).sum() for x in xs).backward()
+    except RuntimeError as e:
+        return str(e)
+    return [x.grad for x in xs]
+
+
+def test_two_maps_in_one_backward_pass(pool) -> None:
+    """Told apart by their local lengths; refused, never guessed, when those are equal too."""
+    for grads in pool.run(2, _two_maps_worker, 2, (5, 9)):
+        for s, g in zip((5, 9), grads, strict=True):
+            x = torch.linspace(-1, 1, s * 4, dtype=torch.float64).view(1, s, 2, 2)
+            x.requires_grad_(True)
+            (full_causal(x) ** 2).sum().backward()
+            torch.testing.assert_close(g, x.grad, **TOL)
+    for message in pool.run(2, _two_maps_worker, 2, (7, 8)):
+        assert message.startswith(
+            "pshard: a function is being recomputed in the backward pass (activation "
+            "checkpointing) while 2 different sequence layouts of axis ('sp',) are being "
+            "differentiated in it (contiguous layout of 8 tokens, contiguous layout of 7 tokens)"
+        ), message
+
+
+def full_causal(x: torch.Tensor) -> torch.Tensor:
+    return masked_attention(x, x, x, reference_mask(x.shape[1], causal=True))
 
 
 # --------------------------------------------------------------------------- errors

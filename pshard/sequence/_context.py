@@ -13,10 +13,11 @@ the forward: every floating output of the mapped function passes through an iden
 (:func:`record_for_backward`) whose backward, which runs before anything inside the map is
 differentiated, files the context under the running backward pass (its graph task). During that
 pass :func:`find_context` finds it there when the context variable has none; the entry is
-dropped when the pass ends. Several maps in one backward pass are told apart by their axis, and
-when two *different* contexts of one axis are live (two differently padded maps differentiated
-together) a recompute cannot tell which it belongs to and :func:`find_context` raises rather than
-guessing. That registry, keyed by live backward passes and emptied as each ends, is the only
+dropped when the pass ends. Several maps in one backward pass are told apart by their axis and,
+for the attention functions, by the number of local tokens they are given; when two *different*
+contexts still fit (say, sequences of 7 and 8 tokens, both 4 per rank on 2 ranks) a recompute
+cannot tell which it belongs to and :func:`find_context` raises rather than guessing. That
+registry, keyed by live backward passes and emptied as each ends, is the only
 state kept outside a context variable: the backward pass may run on another thread (the
 autograd engine's device threads), where context variables do not reach.
 
@@ -25,7 +26,8 @@ Internal interface:
 - ``SeqContext(axis, layout, rank, device, mesh)``: one entry (``axis`` as a tuple of mesh-axis
   names, or a ``ProcessGroup``); ``positions()`` gives this rank's positions as an int64 tensor.
 - ``sequence_context(ctx)``: context manager pushing ``ctx``.
-- ``find_context(axis)``: the innermost entry for ``axis`` (``None`` when there is none).
+- ``find_context(axis, local_length=None)``: the innermost entry for ``axis`` (``None`` when
+  there is none); ``local_length`` (the caller's tokens) tells recorded entries apart.
 - ``record_for_backward(tree, ctx)``: the identity on ``tree`` that makes ``ctx`` findable
   while the backward pass through it runs.
 - ``context_scope(ctx)``: ``use_mesh(ctx.mesh)`` (a no-op for ``None`` or a context without
@@ -163,25 +165,27 @@ def record_for_backward(tree: Any, ctx: SeqContext) -> Any:
     )
 
 
-def _recorded(axis: Axis | None) -> SeqContext | None:
+def _recorded(axis: Axis | None, local_length: int | None) -> SeqContext | None:
     """The context a running backward pass recorded for ``axis``, for a recompute."""
     task = torch._C._current_graph_task_id()
     live = _IN_BACKWARD.get(task, ()) if task >= 0 else ()
     key = None if axis is None else normalize_axis(axis)
     found = [ctx for ctx in live if key is None or ctx.axis == key]
+    if len(found) > 1 and local_length is not None:
+        found = [ctx for ctx in found if ctx.layout.local_length == local_length] or found
     if len(found) > 1:
+        layouts = ", ".join(f"{c.layout.kind} layout of {c.layout.length} tokens" for c in found)
         raise RuntimeError(
             f"pshard: a function is being recomputed in the backward pass (activation "
-            f"checkpointing) and {len(found)} different sequence layouts of axis "
-            f"{found[0].axis!r} are being differentiated in this pass "
-            f"({', '.join(f'{c.layout.kind} {c.layout.length} tokens' for c in found)}), so it "
-            f"cannot tell which one it belongs to; differentiate those maps in separate "
-            f"backward passes, or checkpoint outside the maps"
+            f"checkpointing) while {len(found)} different sequence layouts of axis "
+            f"{found[0].axis!r} are being differentiated in it ({layouts}), so it cannot tell "
+            f"which one it belongs to; differentiate those maps in separate backward passes, "
+            f"or checkpoint outside the maps"
         )
     return found[0] if found else None
 
 
-def find_context(axis: Axis | None = None) -> SeqContext | None:
+def find_context(axis: Axis | None = None, local_length: int | None = None) -> SeqContext | None:
     """The innermost context for ``axis`` (any axis when ``None``), or ``None``; during a
     backward pass, the one its map recorded (see the module docs)."""
     stack = _STACK.get()
@@ -191,7 +195,7 @@ def find_context(axis: Axis | None = None) -> SeqContext | None:
     for ctx in reversed(stack):
         if ctx.axis == key:
             return ctx
-    return _recorded(axis)
+    return _recorded(axis, local_length)
 
 
 def context_scope(ctx: SeqContext | None) -> contextlib.AbstractContextManager[Any]:

@@ -514,7 +514,7 @@ def ring_attention(
     sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim, one_dtype=True)
     win = check_window(_FN, window)
     mine = None if segment_ids is None else check_segment_ids(_FN, segment_ids, q, sd, hd)
-    ctx = find_context(axis)
+    ctx = find_context(axis, q.shape[sd])
     with context_scope(ctx):
         c = raw.comm(axis, _FN)
     layout = token_layout(_FN, ctx, c.size, q, sd)

@@ -181,7 +181,7 @@ def ulysses_attention(
             f"attn_fn an attn_mask parameter (a boolean (batch, 1, seq, seq) mask, True where "
             f"a query may attend), or leave attn_fn unset"
         )
-    ctx = find_context(axis)
+    ctx = find_context(axis, q.shape[sd])
     with context_scope(ctx):
         return _ulysses(q, k, v, axis, bool(causal), seg, win, attn_fn, sd, hd, hq, hkv, scale, ctx)
 
