@@ -85,6 +85,8 @@ class SeqContext:
         rank: this rank's index on the axis.
         device: where position tensors are made.
         mesh: the mesh ``axis`` names axes of (``None``: the current mesh).
+        call: per-call state of the ``sequence_parallel`` hooks (compared by identity), or
+            ``None``; the attention functions count their calls on its ``attended``.
     """
 
     axis: Any
@@ -92,6 +94,12 @@ class SeqContext:
     rank: int
     device: torch.device
     mesh: DeviceMesh | None = None
+    call: Any = None
+
+    def attended(self) -> None:
+        """Note that a sequence-parallel attention ran in this context."""
+        if self.call is not None:
+            self.call.attended += 1
 
     def positions(self) -> torch.Tensor:
         """This rank's global positions (int64, ``layout.local_length`` of them; values

@@ -515,6 +515,8 @@ def ring_attention(
     win = check_window(_FN, window)
     mine = None if segment_ids is None else check_segment_ids(_FN, segment_ids, q, sd, hd)
     ctx = find_context(axis, q.shape[sd])
+    if ctx is not None:
+        ctx.attended()
     with context_scope(ctx):
         c = raw.comm(axis, _FN)
     layout = token_layout(_FN, ctx, c.size, q, sd)

@@ -182,6 +182,8 @@ def ulysses_attention(
             f"a query may attend), or leave attn_fn unset"
         )
     ctx = find_context(axis, q.shape[sd])
+    if ctx is not None:
+        ctx.attended()
     with context_scope(ctx):
         return _ulysses(q, k, v, axis, bool(causal), seg, win, attn_fn, sd, hd, hq, hkv, scale, ctx)
 

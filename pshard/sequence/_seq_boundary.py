@@ -1,0 +1,113 @@
+"""The boundary of one split sequence: pad -> permute -> this rank's block on the way in, and
+every rank's block -> gather -> un-permute -> unpad on the way out.
+
+``shard_map_seq`` gets the same boundary from ``shard_map`` (its ``Shard`` specs over the padded,
+permuted value); this class gives it to the ``sequence_parallel`` hooks, which have no map around
+them, built on the same layout functions (:mod:`pshard.sequence._layouts`) and the same gather
+and reduce Functions (:mod:`pshard._boundary`), with errors that name the caller.
+
+Gradient convention of the hooks (one for everything that crosses the boundary): after the
+backward pass each rank holds *its tokens' share* of every gradient, for the parameters and for
+the inputs alike, and :func:`pshard.reduce_gradients` (a sum over the axis) completes them:
+
+- ``split(..., share=True)``: the transpose of taking this rank's block is putting the cotangent
+  back at this rank's positions, zeros elsewhere (no communication), so an input's gradient is
+  this rank's share, like a parameter's;
+- ``gather``: a whole value, the same on every rank; each rank's cotangent is sliced (no
+  communication);
+- ``reduce``: the sum of every rank's value (a loss share per rank); the cotangent, the same on
+  every rank, passes to each share unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._boundary import BlockLayout, FromBlocks
+from .._comm import Comm
+from .._debug import debug_enabled
+from .._mesh import resolve_axis
+from .._placements import Shard
+from ._layouts import SeqLayout, pad_permute, unpermute_unpad
+
+__all__ = ["SeqBoundary"]
+
+
+class _ShareBlock(torch.autograd.Function):
+    """This rank's block along ``dim`` of ``size`` even blocks; the transpose puts the
+    cotangent back at the block's place, zeros elsewhere (this rank's share)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:  # type: ignore[override]
+        return x.chunk(size, dim)[rank].clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dim, ctx.rank, ctx.size = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        d = ctx.dim % g.dim()
+        local = g.shape[d]
+        pad = [0, 0] * (g.dim() - 1 - d) + [ctx.rank * local, (ctx.size - 1 - ctx.rank) * local]
+        return F.pad(g, pad), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return t.chunk(ctx.size, ctx.dim)[ctx.rank].clone()
+
+
+class SeqBoundary:
+    """The boundary of one call: ``fn`` (the caller's name), the axis (resolved in ``mesh``) and
+    the sequence layout."""
+
+    def __init__(self, fn: str, mesh: DeviceMesh, names: tuple[str, ...], layout: SeqLayout):
+        info = resolve_axis(names, mesh=mesh, fn=fn)
+        self.fn, self.layout, self.mesh = fn, layout, mesh
+        self.rank, self.size = info.rank, info.size
+        self.comm = (
+            None
+            if info.group is None
+            else Comm(info.group, info.size, info.rank, info.name, debug_enabled())
+        )
+
+    def _blocks(self, dim: int, where: str) -> BlockLayout:
+        return BlockLayout(
+            shards=(Shard(dim),),
+            sizes=(self.size,),
+            coord=(self.rank,),
+            perm=(0,),
+            gather=self.comm,
+            label=f"{self.fn} {where} (Shard({dim}))",
+        )
+
+    def split(self, x: torch.Tensor, dim: int, pad: Any) -> torch.Tensor:
+        """This rank's tokens of ``x`` along ``dim`` (padded with ``pad``, permuted); the
+        transpose is this rank's share (see the module docs)."""
+        x = pad_permute(x, dim, self.layout, pad)
+        if self.comm is None:
+            return x
+        return _ShareBlock.apply(x, dim, self.rank, self.size)
+
+    def take(self, x: torch.Tensor, dim: int, pad: Any) -> torch.Tensor:
+        """This rank's tokens of ``x`` (no autograd; for ids and masks)."""
+        return pad_permute(x, dim, self.layout, pad).chunk(self.size, dim)[self.rank]
+
+    def gather(self, y: torch.Tensor, dim: int, where: str) -> torch.Tensor:
+        """The whole sequence from every rank's tokens ``y`` along ``dim``, in sequence order."""
+        if self.comm is not None:
+            y = FromBlocks.apply(y, self._blocks(dim, where), False, 1.0, None, None)
+        return unpermute_unpad(y, dim, self.layout)
+
+    def reduce(self, y: torch.Tensor, where: str) -> torch.Tensor:
+        """The sum over the axis of every rank's ``y`` (each rank's share of a loss)."""
+        if self.comm is None:
+            return y
+        lay = BlockLayout(rep=self.comm, label=f"{self.fn} {where} (Partial('sum'))")
+        return FromBlocks.apply(y, lay, True, 1.0, None, None)
