@@ -301,3 +301,41 @@ def test_outside_the_block_is_the_model_itself() -> None:
     torch.testing.assert_close(model.lm_head(hidden), before, **TOL)
     assert torch.equal(after, before)
     assert model.config._attn_implementation == "sdpa"
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp_worker() -> dict:
+    """A 2 x 2 mesh: FSDP2 (fully_shard) over "dp", sequence_parallel over "sp"."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = ps.init_mesh({"dp": 2, "sp": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("llama")
+        ref = copy.deepcopy(model)
+        batches = [inputs("left", 7, seed=s) for s in (1, 2)]
+        # one process: the mean over the data-parallel batches (what FSDP's gradient averages)
+        losses = [ref(**b, use_cache=False).loss for b in batches]
+        (sum(losses) / 2).backward()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        mine = batches[mesh.get_local_rank("dp")]
+        with ps.sequence_parallel(model, axis="sp", mesh=mesh, attention="ring", layout="zigzag"):
+            loss = model(**mine).loss
+        loss.backward()
+        ps.reduce_gradients(model, "sp")
+        got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {
+        "loss": (loss.detach(), losses[mesh.get_local_rank("dp")].detach()),
+        "grads": [(got[n], p.grad) for n, p in ref.named_parameters()],
+    }
+
+
+def test_fsdp2_over_dp_and_sequence_parallel_over_sp(pool) -> None:
+    for res in pool.run(4, _fsdp_worker, timeout=300):
+        torch.testing.assert_close(*res["loss"], **LOSS_TOL)
+        for got, want in res["grads"]:
+            torch.testing.assert_close(got, want, **GRAD_TOL)

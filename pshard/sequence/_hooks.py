@@ -310,6 +310,11 @@ class SequenceParallel:
         return whole.index_select(1, call.keep.nonzero().view(-1).to(y.device))
 
 
+def _local(g: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(g, "to_local", None)  # a DTensor: its local shard
+    return to_local() if callable(to_local) else g
+
+
 def _hf_model(model: nn.Module) -> bool:
     from ..integrations.transformers import is_hf_model
 
@@ -432,7 +437,8 @@ def reduce_gradients(
     After a backward pass under :func:`sequence_parallel`, each rank's gradients are its own
     tokens' share; their sum over the sequence axis is the full gradient. One all-reduce per
     dtype and device moves every gradient at once. Parameters without a gradient are skipped
-    (every rank must have the same ones).
+    (every rank must have the same ones). ``DTensor`` gradients (a model sharded with FSDP2
+    over another mesh axis) are reduced shard by shard: each rank's local shard over ``axis``.
 
     Args:
         params: a module (its ``parameters()``) or an iterable of tensors.
@@ -457,7 +463,8 @@ def reduce_gradients(
             c = comm(axis, "reduce_gradients")
     if c.group is None:
         return
-    grads = [p.grad for p in tensors if p.grad is not None]
+    # DTensor gradients (FSDP2 over another axis): each rank reduces its local shard
+    grads = [_local(p.grad) for p in tensors if p.grad is not None]
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault((g.dtype, g.device), []).append(g)
