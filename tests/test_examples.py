@@ -19,6 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
         ("microbatch.py", []),
         ("attention.py", ["--nprocs", "2"]),
         ("module_hooks.py", ["--nprocs", "2"]),
+        ("hf_llama.py", ["--nprocs", "2", "--steps", "3", "--checkpointing"]),
     ],
 )
 def test_example_runs(script, args):

@@ -99,14 +99,18 @@ def _grads(model) -> list:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _run(model, kw: dict, embeds: bool):
+def _forward(model, kw: dict, embeds: bool):
     kw = dict(kw)
     if embeds:
         kw["inputs_embeds"] = model.get_input_embeddings()(kw.pop("input_ids"))
     out = model(**kw)
-    loss = out.loss if out.loss is not None else (out.logits**2).mean()
+    return out.logits, out.loss if out.loss is not None else (out.logits**2).mean()
+
+
+def _run(model, kw: dict, embeds: bool):
+    logits, loss = _forward(model, kw, embeds)
     loss.backward()
-    return out.logits.detach(), loss.detach()
+    return logits.detach(), loss.detach()
 
 
 def _case(family, kind, layout, attention, s, embeds=False, checkpoint=None, seed=0) -> dict:
@@ -120,7 +124,9 @@ def _case(family, kind, layout, attention, s, embeds=False, checkpoint=None, see
     # skips its packed-document mask and attends across documents)
     want_logits, want_loss = _run(ref, {**kw, "use_cache": False}, embeds)
     with ps.sequence_parallel(model, layout=layout, attention=attention):
-        logits, loss = _run(model, kw, embeds)
+        logits, loss = _forward(model, kw, embeds)
+    loss.backward()  # outside the block: checkpointed layers are recomputed with pshard's attention
+    logits, loss = logits.detach(), loss.detach()
     ps.reduce_gradients(model, "sp")
     real = kw.get("attention_mask")
     if real is not None and kind != "keep":  # padding positions' logits are not compared

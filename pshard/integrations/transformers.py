@@ -13,6 +13,12 @@ outside a sequence context. Because no mask function is registered under that na
 transformers builds no ``(seq, seq)`` mask for the local shard: padding and packed documents
 reach the attention as segment ids computed over the whole sequence by the pre-hook.
 
+**Activation checkpointing** (``gradient_checkpointing_enable()``): checkpointed layers run
+again during the backward pass, which may come after the block has restored the model's own
+attention. A backward pass through a call made inside the block therefore plugs pshard's
+attention again for the duration of that pass (through the call's ``backward_scope``, see
+:mod:`pshard.sequence._context`) and restores the model's own when the pass ends.
+
 **Conventions the hooks own** (see :func:`prepare_call`): a KV cache, ``use_cache=True`` and
 ``output_attentions`` are refused; ``labels`` are shifted over the whole sequence into
 ``shift_labels`` before the split (unless given), and ``num_items_in_batch`` is the count of the
@@ -23,6 +29,7 @@ every rank, with a backward that leaves each rank its share of the gradients).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +41,7 @@ from ..sequence._lm import _segments
 from ..sequence._ring import ring_attention
 from ..sequence._ulysses import ulysses_attention
 
-__all__ = ["attention_name", "is_hf_model", "plug", "prepare_call"]
+__all__ = ["attention_name", "is_hf_model", "plug", "prepare_call", "replug"]
 
 _PREFIX = "pshard|"
 _ATTENTION = {"ulysses": ulysses_attention, "ring": ring_attention}
@@ -75,13 +82,18 @@ def _hf_attention(
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         own = _own(module.config._attn_implementation)
-        if own == "eager":
-            raise RuntimeError(
-                f"sequence_parallel: {type(module).__name__} ran outside a sequence-parallel call "
-                f"while its model's attention is plugged (pshard|eager); call the model itself "
-                f"inside the block, or outside it"
+        if own == "eager":  # not in the interface: the model file's own eager attention
+            fallback = getattr(
+                sys.modules.get(type(module).__module__), "eager_attention_forward", None
             )
-        fallback = ALL_ATTENTION_FUNCTIONS[own]
+            if fallback is None:
+                raise RuntimeError(
+                    f"sequence_parallel: {type(module).__name__} ran outside a sequence-parallel "
+                    f"call while its model's attention is plugged, and its eager attention "
+                    f"cannot be found; call the model itself inside the block, or outside it"
+                )
+        else:
+            fallback = ALL_ATTENTION_FUNCTIONS[own]
         return fallback(module, query, key, value, attention_mask, scaling=scaling,
                         dropout=dropout, sliding_window=sliding_window, **kwargs)  # fmt: skip
     if dropout:
@@ -129,6 +141,21 @@ def plug(model: Any, attention: str) -> Callable[[], None]:
         model.config._attn_implementation = own
 
     return restore
+
+
+def replug(model: Any, name: str) -> Callable[[], None] | None:
+    """For a backward pass through a call made inside the block: recomputed (checkpointed)
+    layers must run the attention the forward ran, even after the block restored the model's
+    own. Plugs ``name`` for the pass if the model is not using it; returns the undo."""
+    own = attention_name(model)
+    if own == name:
+        return None
+    model.config._attn_implementation = name
+
+    def undo() -> None:
+        model.config._attn_implementation = own
+
+    return undo
 
 
 def _refuse(model: Any, kwargs: dict[str, Any]) -> None:

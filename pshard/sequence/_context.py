@@ -86,7 +86,9 @@ class SeqContext:
         device: where position tensors are made.
         mesh: the mesh ``axis`` names axes of (``None``: the current mesh).
         call: per-call state of the ``sequence_parallel`` hooks (compared by identity), or
-            ``None``; the attention functions count their calls on its ``attended``.
+            ``None``; the attention functions count their calls on its ``attended``, and its
+            ``backward_scope()``, if any, runs when a backward pass through the call begins and
+            returns what to undo when that pass ends.
     """
 
     axis: Any
@@ -133,6 +135,10 @@ def _file(ctx: SeqContext) -> None:
         )
     if ctx not in live:
         live.append(ctx)
+        scope = getattr(ctx.call, "backward_scope", None)
+        undo = scope() if scope is not None else None
+        if undo is not None:  # e.g. a model's attention plugged again for the recomputation
+            torch.autograd.Variable._execution_engine.queue_callback(undo)
 
 
 class _Record(torch.autograd.Function):

@@ -63,6 +63,7 @@ class _Call:
         self.attended = 0  # sequence-parallel attention calls during the forward
         self.scopes: list[Any] = []
         self.context: SeqContext | None = None
+        self.backward_scope: Any = None  # see SeqContext.call
 
 
 class SequenceParallel:
@@ -231,6 +232,11 @@ class SequenceParallel:
         )
         call = _Call(boundary, whole_keep, normalize_axis(self._names))
         call.attention, call.share = self._attention, share
+        if self._attention is not None:
+            from ..integrations.transformers import attention_name, replug
+
+            name = attention_name(module)
+            call.backward_scope = lambda: replug(module, name)
         if segments is not None:
             call.segments = boundary.take(segments, 1, -1)
         ctx = SeqContext(call.axis, layout, info.rank, ref.device, mesh, call)
