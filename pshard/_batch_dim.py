@@ -27,6 +27,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._batch_kinds import CONST, MIXED, Kind, Rules, describe_kind, join, output_kinds
 from ._placements import Partial, Placement, Replicate, Shard
 from ._specs import _keys as spec_keys
 from ._specs import resolve_specs
@@ -300,56 +301,80 @@ def _storage_key(t: torch.Tensor) -> tuple[int, Any]:
     return storage._cdata, storage
 
 
-class _DependenceMode(TorchDispatchMode):
-    """Runs under the fake mode of a trace and marks every tensor computed from a marked tensor
-    or from a size involving ``symbol``.
+class _KindMode(TorchDispatchMode):
+    """Runs under the fake mode of a trace and gives every tensor its :class:`Kind` (how it
+    depends on the batch), by the rules of :mod:`pshard._batch_kinds`.
 
-    Marks live on storages, so views share their base's mark and an in-place write of marked
-    data into any tensor marks every alias of it. Real tensors reaching an op (parameters and
-    buffers of modules captured by ``fn``) are swapped for fake copies first, so no op computes on
-    or writes to real data; :meth:`restore` puts back the ``.grad`` of any real leaf that
-    autograd touched.
+    A tensor's kind is that of its view (tensors made by an op) joined with the writes made
+    into its storage (so an in-place write of batch values into a buffer, or into a view of
+    one, reaches every alias). Real tensors reaching an op (parameters and buffers of modules
+    captured by ``fn``) are swapped for fake copies first, so no op computes on or writes to
+    real data; :meth:`restore` puts back the ``.grad`` of any real leaf that autograd touched.
     """
 
-    # Higher-order operators (flex_attention, cond, ...) come through __torch_dispatch__ too:
-    # an output depends on the split inputs when any input does, as for any op.
+    # Higher-order operators (flex_attention, cond, ...) come through __torch_dispatch__ too.
     supports_higher_order_operators = True
 
     def __init__(self, symbol: Any, fake_mode: Any) -> None:
         super().__init__()
         self._symbol = symbol
         self._fake_mode = fake_mode
-        self._marked: set[int] = set()
-        self._alive: list[Any] = []  # keeps marked storages alive: their ids stay unique
-        self._real_leaves: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (tensor, its .grad)
+        self._views: dict[int, tuple[Any, Kind]] = {}  # id -> (tensor kept alive, kind)
+        self._writes: dict[int, tuple[Any, Kind | None]] = {}  # storage -> (storage, kind)
+        self._real_leaves: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (tensor, .grad)
+        self.rules = Rules(self.kind_of, self.is_batch, self.power, self.sign)
 
-    def mark(self, t: torch.Tensor) -> None:
+    # --- kinds ------------------------------------------------------------------------------
+
+    def set_kind(self, t: torch.Tensor, kind: Kind | None) -> None:
+        self._views[id(t)] = (t, kind or CONST)
+
+    def write(self, t: torch.Tensor, kind: Kind | None) -> None:
         key, keep = _storage_key(t)
-        if key not in self._marked:
-            self._marked.add(key)
-            self._alive.append(keep)
+        old = self._writes.get(key, (keep, None))[1]
+        whole = t.numel() == _storage_numel(t)
+        self._writes[key] = (keep, kind if whole else join(old, kind))
+        self.set_kind(t, kind if whole else join(self.kind_of(t), kind))
 
-    def is_marked(self, t: torch.Tensor) -> bool:
-        return _storage_key(t)[0] in self._marked
+    def kind_of(self, t: torch.Tensor) -> Kind | None:
+        view = self._views.get(id(t))
+        kind = view[1] if view is not None and view[0] is t else None
+        written = self._writes.get(_storage_key(t)[0])
+        if written is not None:
+            kind = join(kind, written[1])
+        return None if kind == CONST else kind
 
-    def _depends(self, x: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return self.is_marked(x)
-        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            return self._symbol in x.node.expr.free_symbols
-        return False
+    def is_batch(self, size: Any) -> bool:
+        return isinstance(size, torch.SymInt) and self._symbol in size.node.expr.free_symbols
 
-    def _mark_tree(self, tree: Any) -> None:
-        for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
-            if isinstance(leaf, torch.Tensor):
-                self.mark(leaf)
+    def power(self, x: Any) -> int | None:
+        expr = x.node.expr
+        if self._symbol not in expr.free_symbols:
+            return 0
+        for p in range(-4, 5):
+            if self._symbol not in (expr / self._symbol**p).free_symbols:
+                return p
+        return None
+
+    @staticmethod
+    def sign(x: Any) -> int | None:
+        if isinstance(x, bool) or x is None:
+            return None
+        if isinstance(x, (int, float)):
+            return (x > 0) - (x < 0)
+        if isinstance(x, (torch.SymInt, torch.SymFloat)):
+            hint = x.node.hint
+            return None if hint is None else (hint > 0) - (hint < 0)
+        return None
+
+    # --- real tensors -------------------------------------------------------------------------
 
     def _fake(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or _is_fake(x):
             return x
         if x.is_leaf and id(x) not in self._real_leaves:
             self._real_leaves[id(x)] = (x, x.grad)
-        return self._fake_mode.from_tensor(x, static_shapes=True)
+        return _fake_like(self._fake_mode, x)
 
     def restore(self) -> None:
         for tensor, grad in self._real_leaves.values():
@@ -363,14 +388,45 @@ class _DependenceMode(TorchDispatchMode):
             args, kwargs = optree.tree_map(self._fake, (args, kwargs), namespace=NAMESPACE)
             leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
         out = func(*args, **kwargs)
-        if any(map(self._depends, leaves)):
-            self._mark_tree(out)
-            schema = getattr(func, "_schema", None)
-            for i, argument in enumerate(schema.arguments if schema is not None else ()):
-                alias = argument.alias_info
-                if alias is not None and alias.is_write:
-                    self._mark_tree(args[i] if i < len(args) else kwargs.get(argument.name))
+        inputs = [x for x in leaves if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat))]
+        if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: no rule
+            kind = MIXED if any(self.rules.value_kind(x) != CONST for x in inputs) else CONST
+        else:
+            kind = self.rules.apply(func, args, kwargs, inputs)
+        written: set[int] = set()
+        schema = getattr(func, "_schema", None)
+        for i, argument in enumerate(schema.arguments if schema is not None else ()):
+            alias = argument.alias_info
+            if alias is not None and alias.is_write:
+                target = args[i] if i < len(args) else kwargs.get(argument.name)
+                for t in optree.tree_leaves(target, namespace=NAMESPACE):
+                    if isinstance(t, torch.Tensor):
+                        self.write(t, kind)
+                        written.add(_storage_key(t)[0])
+        positions = list(out) if isinstance(out, (tuple, list)) else [out]
+        for part, k in zip(positions, output_kinds(func, kind, len(positions)), strict=True):
+            for t in optree.tree_leaves(part, namespace=NAMESPACE):
+                if isinstance(t, torch.Tensor) and _storage_key(t)[0] not in written:
+                    self.set_kind(t, k)
         return out
+
+
+def _storage_numel(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes() // max(t.element_size(), 1)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return t.numel()
+
+
+def _fake_like(fake_mode: Any, x: torch.Tensor) -> torch.Tensor:
+    """A fake tensor with ``x``'s metadata; a tensor wrapped by a ``torch.func`` transform is
+    described by its logical shape (the transform does not change the answer)."""
+    from torch._C._functorch import is_functorch_wrapped_tensor
+
+    if not is_functorch_wrapped_tensor(x):
+        return fake_mode.from_tensor(x, static_shapes=True)
+    with fake_mode:
+        return torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
 
 
 def _is_fake(x: Any) -> bool:
@@ -403,21 +459,25 @@ class _Trace:
         self.symbol = self.env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
         self.batch = self.env.create_symintnode(self.symbol, hint=hint, source=source)
         self.fake_mode = FakeTensorMode(shape_env=self.env, allow_non_fake_inputs=True)
-        self.deps = _DependenceMode(self.symbol, self.fake_mode)
+        self.deps = _KindMode(self.symbol, self.fake_mode)
 
     def fake_input(self, leaf: Any, split_dim: int | None) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if split_dim is None:
-            return self.fake_mode.from_tensor(leaf, static_shapes=True)
-        sizes = [self.batch if d == split_dim else int(s) for d, s in enumerate(leaf.shape)]
-        # Keep the memory layout (outermost dim first) so layout-sensitive ops behave alike.
-        order = sorted(range(leaf.dim()), key=lambda d: (-leaf.stride(d), d))
-        with self.fake_mode:
-            fake = torch.empty_permuted(sizes, order, dtype=leaf.dtype, device=leaf.device)
-        if leaf.requires_grad:
+            fake = _fake_like(self.fake_mode, leaf)
+        else:
+            sizes = [self.batch if d == split_dim else int(s) for d, s in enumerate(leaf.shape)]
+            # Keep the memory layout (outermost dim first) so layout-sensitive ops behave alike.
+            try:
+                order = sorted(range(leaf.dim()), key=lambda d: (-leaf.stride(d), d))
+            except RuntimeError:  # a tensor of a torch.func transform: no strides
+                order = list(range(leaf.dim()))
+            with self.fake_mode:
+                fake = torch.empty_permuted(sizes, order, dtype=leaf.dtype, device=leaf.device)
+            self.deps.set_kind(fake, Kind("row", 0))
+        if leaf.requires_grad and not fake.requires_grad:
             fake.requires_grad_(True)
-        self.deps.mark(fake)
         return fake
 
     def render(self, expr: Any) -> str:
@@ -441,7 +501,57 @@ class _Trace:
         return None
 
 
-def _leaf_spec(where: str, leaf: Any, trace: _Trace) -> Placement:
+_MERGES = {
+    Kind("const", 0): Replicate(),
+    Kind("const", 1): Partial("sum"),
+    Kind("sum", 0): Partial("sum"),
+    Kind("sum", -1): Partial("mean"),
+    Kind("max", 0): Partial("max"),
+    Kind("min", 0): Partial("min"),
+}
+
+
+def _merge_spec(
+    where: str, kind: Kind | None, dim: int | None, shape: str, allow_ratio: bool
+) -> Placement:
+    """The out spec of an output of ``kind`` (``dim``: its dim of size ``B``, if any), or an
+    error saying why no merge of microbatches reproduces it."""
+    kind = kind or CONST
+    if dim is not None and kind == Kind("row", 0):
+        return Shard(dim)
+    if dim is None and kind in _MERGES:
+        return _MERGES[kind]
+    if dim is None and kind == Kind("ratio", 0):
+        if allow_ratio:
+            return Partial("mean")
+        raise ValueError(
+            f"{where}: the output (shape {shape}) is {describe_kind(kind)}, such as a mean over "
+            f"the non-ignored targets (cross_entropy's default) or a token-mean loss; its "
+            f"microbatches must be weighted by their denominators: give pmap_microbatch a "
+            f"weight_fn returning each microbatch's count (e.g. lambda *mb: (labels != -100)"
+            f".sum()), or pass out_specs explicitly"
+        )
+    if dim is not None:
+        what = "per-example values" if kind.kind == "row" else describe_kind(kind)
+        detail = (
+            f" scaled by B**{kind.p} (for instance the gradient of a mean with respect to a "
+            f"split input), so each microbatch scales them by its own size"
+            if kind.kind == "row"
+            else ", so its rows depend on the rest of the batch"
+        )
+        raise ValueError(
+            f"{where}: dim {dim} has the batch size (shape {shape}) but the values are "
+            f"{what}{detail}; concatenating microbatches would not give the whole batch's: "
+            f"pass out_specs explicitly"
+        )
+    raise ValueError(
+        f"{where}: the output (shape {shape}) is {describe_kind(kind)}; no merge of "
+        f"microbatches (concatenation, sum, mean, max, min) gives the whole batch's value: "
+        f"pass out_specs explicitly"
+    )
+
+
+def _leaf_spec(where: str, leaf: Any, trace: _Trace, allow_ratio: bool = False) -> Placement:
     """The out spec of one output leaf."""
     symbol = trace.symbol
     if isinstance(leaf, torch.Tensor):
@@ -467,11 +577,8 @@ def _leaf_spec(where: str, leaf: Any, trace: _Trace) -> Placement:
                 f"{where}: the batch size B is the size of dims {dims} (shape {shape}), so "
                 f"the batch dim is ambiguous; pass out_specs explicitly"
             )
-        if exact:
-            return Shard(exact[0])
-        if _is_fake(leaf) and trace.deps.is_marked(leaf):
-            return Partial("mean")
-        return Replicate()
+        kind = trace.deps.kind_of(leaf) if _is_fake(leaf) else None
+        return _merge_spec(where, kind, exact[0] if exact else None, shape, allow_ratio)
     if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         expr = trace.env.simplify(leaf.node.expr)
         if symbol in getattr(expr, "free_symbols", ()):
@@ -501,6 +608,7 @@ def _trace_out_specs(
     treedef: optree.PyTreeSpec,
     leaves: Sequence[Any],
     split_dims: Sequence[int | None],
+    allow_ratio: bool = False,
 ) -> tuple[optree.PyTreeSpec, list[Any]]:
     static = {
         int(s)
@@ -509,13 +617,18 @@ def _trace_out_specs(
         for d, s in enumerate(leaf.shape)
         if d != dim
     }
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
     trace = _Trace(_next_prime(_HINT_START, static))
-    fake_leaves = [
-        trace.fake_input(leaf, dim) for leaf, dim in zip(leaves, split_dims, strict=True)
-    ]
+    # The answer depends on fn and the inputs' metadata only: the trace runs outside any
+    # torch.func transform that is calling us (grad, vmap, ...).
+    with temporarily_clear_interpreter_stack():
+        fake_leaves = [
+            trace.fake_input(leaf, dim) for leaf, dim in zip(leaves, split_dims, strict=True)
+        ]
     args, kwargs = tree_unflatten(treedef, fake_leaves)
     try:
-        with trace.fake_mode, trace.deps:
+        with temporarily_clear_interpreter_stack(), trace.fake_mode, trace.deps:
             out = fn(*args, **kwargs)
     except Exception as error:
         detail = re.sub(rf"\b{trace.symbol}\b", "B", str(error))
@@ -538,7 +651,7 @@ def _trace_out_specs(
         )
     out_names, out_leaves, out_treedef = _flatten(out, "output")
     specs = [
-        _leaf_spec(f"{where} {n}", leaf, trace)
+        _leaf_spec(f"{where} {n}", leaf, trace, allow_ratio)
         for n, leaf in zip(out_names, out_leaves, strict=True)
     ]
     return out_treedef, specs
@@ -552,6 +665,7 @@ def _out_specs_from_leaf_specs(
     *,
     leaf_names: Sequence[str] | None = None,
     api: str = "infer_out_specs",
+    allow_ratio: bool = False,
 ) -> Any:
     """Out spec tree of ``fn`` from already-resolved per-leaf input specs (cached).
 
@@ -573,9 +687,16 @@ def _out_specs_from_leaf_specs(
         )
     split_dims = _check_leaf_specs(where, leaves, leaf_specs, leaf_names)
     signature = _signature(treedef, leaves, leaf_specs, split_dims)
+    if signature is not None:  # and everything else the answer depends on
+        signature = (
+            signature,
+            allow_ratio,
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+        )
     cached = None if signature is None else _CACHE.get(fn, signature)
     if cached is None:
-        cached = _trace_out_specs(where, fn, treedef, leaves, split_dims)
+        cached = _trace_out_specs(where, fn, treedef, leaves, split_dims, allow_ratio)
         if signature is not None:
             _CACHE.put(fn, signature, cached)
     out_treedef, specs = cached

@@ -70,6 +70,7 @@ def _infer_out_specs(
     leaves: list[Any],
     specs: list[Any],
     name_of: _Names,
+    weighted: bool,
 ) -> Any:
     """The out spec tree of ``fn`` by batch-dim analysis (``out_specs="infer"``), cached there
     per function and input signature."""
@@ -83,7 +84,7 @@ def _infer_out_specs(
     treedef = optree.treespec_tuple([args_def, kwargs_def], namespace=NAMESPACE)
     names = [name_of(i) for i in range(len(leaves))]
     return _out_specs_from_leaf_specs(
-        fn, treedef, leaves, specs, leaf_names=names, api="pmap_microbatch"
+        fn, treedef, leaves, specs, leaf_names=names, api="pmap_microbatch", allow_ratio=weighted
     )
 
 
@@ -325,7 +326,9 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
     if isinstance(out_specs, str) and out_specs == "infer":
         out_specs = default_out_specs(fn, transform="pmap_microbatch", required=False)
         if out_specs is None:
-            out_specs = _infer_out_specs(fn, args_def, kwargs_def, leaves, specs, name_of)
+            out_specs = _infer_out_specs(
+                fn, args_def, kwargs_def, leaves, specs, name_of, config.weight_fn is not None
+            )
 
     weight_fn = config.weight_fn
     reducers: list[Any] = []
