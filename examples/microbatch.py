@@ -5,11 +5,12 @@
 ``ps.pmap_microbatch`` splits the batch (dim 0, ``torch.tensor_split``'s rule: sizes differ by at
 most one), runs the forward on each microbatch in turn and merges the outputs. With
 ``out_specs="infer"`` (the default) pshard traces the forward once with a symbolic batch size:
-``logits`` carries the batch dim, so it is concatenated; ``loss`` does not, so it is a mean,
-weighted here by each microbatch's number of target tokens (``weight_fn``), which makes it the
-exact token mean of the whole batch. The same wrapper around ``torch.func.grad_and_value`` is
-gradient accumulation. Everything is checked against the whole batch in one call (no process
-group needed).
+``logits`` carries the batch dim, so it is concatenated; ``loss`` is cross-entropy's mean over
+the non-ignored targets, a ratio of two sums over the batch, which no size-weighted mean
+reproduces: the analysis refuses it unless ``weight_fn`` gives each microbatch's number of
+target tokens, and with it the merged loss is the exact token mean of the whole batch. The
+same wrapper around ``torch.func.grad_and_value`` is gradient accumulation. Everything is
+checked against the whole batch in one call (no process group needed).
 """
 
 from __future__ import annotations
@@ -49,8 +50,15 @@ def main() -> None:
     labels[torch.arange(12) < torch.randint(0, 11, (7, 1), generator=g)] = -100  # ragged prompts
     batch = {"input_ids": ids, "labels": labels}
 
-    specs = ps.infer_out_specs(forward, params, batch, in_specs=(None, ps.Shard(0)))
-    print(f"inferred out specs: {specs}")
+    try:
+        ps.infer_out_specs(forward, params, batch, in_specs=(None, ps.Shard(0)))
+    except ValueError as error:  # the loss is a mean over targets: it needs their counts
+        print(f"without weight_fn: {str(error).split(': ', 1)[1][:80]}...")
+    logits_spec = ps.infer_out_specs(
+        lambda params, batch: forward(params, batch)["logits"], params, batch,
+        in_specs=(None, ps.Shard(0)),
+    )  # fmt: skip
+    print(f"inferred out spec of the logits: {logits_spec}; of the loss with weight_fn: mean")
 
     mb_forward = ps.pmap_microbatch(
         forward, num_microbatches=3, in_specs=(None, ps.Shard(0)), weight_fn=tokens

@@ -4,6 +4,7 @@ microbatched run (split the inputs, run each chunk, merge by the inferred specs,
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import re
 import weakref
@@ -19,6 +20,7 @@ from pshard import _batch_dim
 from pshard._tree import tree_flatten, tree_map
 
 S0, S1, R, MEAN = ps.Shard(0), ps.Shard(1), ps.Replicate(), ps.Partial("mean")
+SUM = ps.Partial("sum")
 
 
 def infer(fn, *args, **kwargs):
@@ -76,15 +78,16 @@ def test_input_split_on_negative_dim():
     ("fn", "expected"),
     [
         (lambda x: x.mean(), MEAN),
-        (lambda x: x.sum(), MEAN),
+        (lambda x: x.sum(), SUM),
         (lambda x: x.mean(0), MEAN),
-        (lambda x: x.sum(0, keepdim=True), MEAN),
-        (lambda x: x.T @ x, MEAN),
-        (lambda x: x.norm(), MEAN),
-        (lambda x: torch.full((), x.shape[0]), MEAN),
+        (lambda x: x.sum(0, keepdim=True), SUM),
+        (lambda x: x.T @ x, SUM),
+        (lambda x: x.amax(0), ps.Partial("max")),
+        (lambda x: x.min(), ps.Partial("min")),
+        (lambda x: torch.full((), x.shape[0]), SUM),
     ],
 )
-def test_reductions_over_the_batch_are_partial_mean(fn, expected):
+def test_reductions_over_the_batch_are_the_reduction_found(fn, expected):
     assert infer(fn, torch.randn(5, 4)) == expected
 
 
@@ -116,7 +119,7 @@ def test_outputs_independent_of_split_inputs_are_replicate():
         "none": None,
         "arg_itself": R,
         "constant_size": R,
-        "mixed": MEAN,
+        "mixed": SUM,
     }
 
 
@@ -126,10 +129,18 @@ def test_in_place_writes_carry_dependence():
         acc = torch.zeros(4)
         acc.add_(x.mean(0))
         view = buf[:2]
-        view.copy_(x[0, :2])
+        view.copy_(x.sum(0)[:2])
         return buf, acc, torch.zeros(4).add_(1.0)
 
-    assert infer(fn, torch.randn(5, 4)) == (MEAN, MEAN, R)
+    assert infer(fn, torch.randn(5, 4)) == (SUM, MEAN, R)
+
+    def first_row(x):
+        buf = torch.zeros(4)
+        buf[:2].copy_(x[0, :2])  # the first example: which one depends on the microbatch
+        return buf
+
+    with pytest.raises(ValueError, match=re.escape("infer_out_specs(first_row) output: the")):
+        infer(first_row, torch.randn(5, 4))
 
 
 def test_in_place_write_into_a_replicated_argument():
@@ -139,15 +150,29 @@ def test_in_place_write_into_a_replicated_argument():
         return state
 
     state = {"count": torch.zeros(()), "sum": torch.zeros(3)}
-    assert infer(fn, torch.randn(4, 3), state, in_specs=(S0, R)) == {"count": R, "sum": MEAN}
+    # state + a batch sum: summing microbatches would add the state once per microbatch
+    with pytest.raises(
+        ValueError, match=re.escape("infer_out_specs(fn) output['sum']: the output (shape (3,))")
+    ):
+        infer(fn, torch.randn(4, 3), state, in_specs=(S0, R))
     assert torch.equal(state["sum"], torch.zeros(3)) and state["count"].item() == 0
+
+    def mean_into(x, state):
+        state["mean"].add_(x.mean(0))  # a constant plus a mean is still a mean
+        return state
+
+    assert infer(mean_into, torch.randn(4, 3), {"mean": torch.zeros(3)}, in_specs=(S0, R)) == {
+        "mean": MEAN
+    }
 
 
 def test_higher_order_operator():
+    # which branch runs depends on the microbatch's size: no merge reproduces it
     def fn(x):
         return torch.cond(x.shape[0] > 2, lambda x: x.sin(), lambda x: x.cos(), (x,))
 
-    assert infer(fn, torch.randn(4, 3)) == S0
+    with pytest.raises(ValueError, match=re.escape("infer_out_specs(fn) output: dim 0 has")):
+        infer(fn, torch.randn(4, 3))
 
 
 def test_kwargs_and_kw_specs():
@@ -155,9 +180,9 @@ def test_kwargs_and_kw_specs():
         return x * mask * scale, (x * mask).sum(0)
 
     x, mask = torch.randn(5, 4), torch.ones(5, 4)
-    assert infer(fn, x, mask=mask, scale=2.0) == (S0, MEAN)
+    assert infer(fn, x, mask=mask, scale=2.0) == (S0, SUM)
     out = infer(fn, x, mask=torch.ones(4), scale=2.0, kw_specs={"mask": R, "scale": None})
-    assert out == (S0, MEAN)
+    assert out == (S0, SUM)
     assert infer(
         fn, x.T, mask=mask.T, scale=2.0, in_specs=S1, kw_specs={"mask": S1, "scale": None}
     ) == (S1, S0)
@@ -200,7 +225,7 @@ def test_dataclass_and_model_output_outputs():
 
 def test_container_that_cannot_hold_specs_becomes_a_dict():
     out = infer(lambda x: (Derived(x), Derived(x.sum(0))), torch.randn(4, 3))
-    assert out == ({"x": S0}, {"x": MEAN})
+    assert out == ({"x": S0}, {"x": SUM})
 
 
 def test_namedtuple_and_ordered_dict_outputs():
@@ -231,12 +256,18 @@ def test_functional_call_mlp_with_cross_entropy():
         return F.cross_entropy(logits, y), {"logits": logits, "probs": logits.softmax(-1)}
 
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-    out = infer(loss_fn, params, x, y, in_specs=(R, S0, S0))
-    assert out == (MEAN, {"logits": S0, "probs": S0})
-
-    # Gradients of a mean loss with respect to the parameters are means over the batch too.
-    grads = infer(torch.func.grad(lambda p, x, y: loss_fn(p, x, y)[0]), params, x, y,
-                  in_specs=(R, S0, S0))  # fmt: skip
+    # cross_entropy's mean is over the non-ignored targets: a ratio, weighted by target counts
+    with pytest.raises(
+        ValueError, match=re.escape("infer_out_specs(loss_fn) output[0]: the output (shape ())")
+    ) as e:
+        infer(loss_fn, params, x, y, in_specs=(R, S0, S0))
+    assert "weight_fn" in str(e.value)
+    leaves, treedef = optree.tree_flatten(((params, x, y), {}), namespace="pshard")
+    specs = [R] * len(params) + [S0, S0]
+    ratio = functools.partial(_batch_dim._out_specs_from_leaf_specs, allow_ratio=True)
+    assert ratio(loss_fn, treedef, leaves, specs) == (MEAN, {"logits": S0, "probs": S0})
+    # gradients of such a mean with respect to the parameters are the same kind of mean
+    grads = ratio(torch.func.grad(lambda p, x, y: loss_fn(p, x, y)[0]), treedef, leaves, specs)
     assert grads == dict.fromkeys(params, MEAN)
 
 
@@ -252,7 +283,9 @@ def test_module_in_closure_is_never_modified():
         loss.backward()
         return loss, out
 
-    assert infer(fn, torch.randn(6, 4)) == (MEAN, S0)
+    # batch norm in training mode normalises over the batch: refused (and nothing modified)
+    with pytest.raises(ValueError, match=re.escape("infer_out_specs(fn) output[0]: the")):
+        infer(fn, torch.randn(6, 4))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert model[0].bias.grad is old_grad
@@ -288,7 +321,11 @@ def test_language_model_style_loss():
         "input_ids": torch.randint(0, vocab, (4, 7)),
         "labels": torch.randint(0, vocab, (4, 7)),
     }
-    assert infer(fn, batch) == {"loss": MEAN, "logits": S0, "last": S0}
+    with pytest.raises(ValueError, match="weight_fn"):  # a mean over non-ignored targets
+        infer(fn, batch)
+    leaves, treedef = optree.tree_flatten(((batch,), {}), namespace="pshard")
+    out = _batch_dim._out_specs_from_leaf_specs(fn, treedef, leaves, [S0, S0], allow_ratio=True)
+    assert out == {"loss": MEAN, "logits": S0, "last": S0}
     out = infer(lambda b: fn(b)["logits"], batch, in_specs=S1)
     assert out == S1
 
@@ -306,7 +343,7 @@ def test_small_and_colliding_batch_sizes(batch):
         return h, h.sum(1), h.sum(0), h.T, x.shape[1] * h.mean()
 
     out = infer(fn, torch.randn(batch, 4), torch.randn(1, 4), w, in_specs=(S0, R, R))
-    assert out == (S0, S0, MEAN, S1, MEAN)
+    assert out == (S0, S0, SUM, S1, MEAN)
 
 
 def test_batch_size_is_not_specialised_by_python_branches():
@@ -574,7 +611,7 @@ def test_cache_distinguishes_python_values_and_specs():
         return x.sum(dim)
 
     x = torch.randn(4, 3)
-    assert infer(fn, x, 0) == MEAN
+    assert infer(fn, x, 0) == SUM
     assert infer(fn, x, 1) == S0
     assert infer(fn, x, 1) == S0
     assert infer(fn, x.T, 0, in_specs=(S1, None)) == S0
@@ -640,7 +677,7 @@ def test_private_interface_with_resolved_leaf_specs():
         leaf_names=["in_specs[0]", "in_specs[1]", "kw_specs['y']"],
         api="pmap_microbatch",
     )
-    assert out == (S1, MEAN)
+    assert out == (S1, SUM)
     with pytest.raises(
         ValueError, match=re.escape("pmap_microbatch(<lambda>) output: dim 0 has size 3*B")
     ):
@@ -667,6 +704,8 @@ def _merge(chunk_outputs, specs, weights):
         elif spec == MEAN:
             total = sum(weights)
             merged.append(sum(w * v for w, v in zip(weights, values, strict=True)) / total)
+        elif spec == SUM:
+            merged.append(sum(values))
         else:
             for v in values[1:]:
                 assert torch.equal(torch.as_tensor(v), torch.as_tensor(values[0]))
@@ -681,9 +720,9 @@ def _oracle_cases():
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     w = torch.randn(5, 4, dtype=torch.float64)
 
-    def mlp_loss(params, x, y):
+    def mlp_loss(params, x, y):  # a mean over rows: cross_entropy's sum over the batch size
         logits = torch.func.functional_call(model, params, (x,))
-        return F.cross_entropy(logits, y), logits
+        return F.cross_entropy(logits, y, reduction="sum") / x.shape[0], logits
 
     def mlp_grad(params, x, y):
         return torch.func.grad_and_value(lambda p: mlp_loss(p, x, y)[0])(params)

@@ -4,6 +4,7 @@ pinned errors."""
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 
@@ -361,10 +362,16 @@ def test_infer_out_specs():
         logits = mlp(params, x)
         return F.cross_entropy(logits, y), logits, params["w1"].norm()
 
-    f = ps.pmap_microbatch(loss_logits_norm, num_microbatches=3, in_specs=SPLIT)
+    # cross_entropy's mean is over the non-ignored targets: weighted by their count
+    targets = functools.partial(lambda params, x, y: (y != -100).sum())
+    f = ps.pmap_microbatch(loss_logits_norm, num_microbatches=3, in_specs=SPLIT, weight_fn=targets)
     assert_close_trees(f(params, x, y), loss_logits_norm(params, x, y))
-    step = ps.pmap_microbatch(grad_and_value(loss_fn), num_microbatches=4, in_specs=SPLIT)
+    step = ps.pmap_microbatch(
+        grad_and_value(loss_fn), num_microbatches=4, in_specs=SPLIT, weight_fn=targets
+    )
     assert_close_trees(step(params, x, y), grad_and_value(loss_fn)(params, x, y))
+    with pytest.raises(ValueError, match=re.escape("give pmap_microbatch a weight_fn")):
+        ps.pmap_microbatch(loss_fn, num_microbatches=3, in_specs=SPLIT)(params, x, y)
     with pytest.raises(
         ValueError,
         match=re.escape(
@@ -372,7 +379,9 @@ def test_infer_out_specs():
             "(3*B,)), an expression of the batch size B"
         ),
     ):
-        ps.pmap_microbatch(loss_and_logits, num_microbatches=3, in_specs=SPLIT)(params, x, y)
+        ps.pmap_microbatch(loss_and_logits, num_microbatches=3, in_specs=SPLIT, weight_fn=targets)(
+            params, x, y
+        )
 
 
 # --------------------------------------------------------------------------- errors
