@@ -7,9 +7,12 @@ exactly when its size is the symbol ``B``, whatever reshapes, permutes or reduct
 A dispatch mode marks every tensor computed from a split input (or from a size involving ``B``),
 which separates the outputs that need a reduction over microbatches from those that do not.
 
+What each traced value is (per-example, a reduction over the batch, ...) is decided by the rules
+of :mod:`pshard._batch_kinds`; this module traces, and turns the kinds of the outputs into specs.
+
 One module-level object holds state: :data:`_CACHE`, the traced out specs per function and input
-signature. It keeps functions only weakly, so a bound method, closure or module is not kept alive
-by having been analysed.
+signature (and grad mode and weighting). It keeps functions only weakly, so a bound method,
+closure or module is not kept alive by having been analysed.
 """
 
 from __future__ import annotations
@@ -714,40 +717,46 @@ def infer_out_specs(
     """Infer the out specs of ``fn(*args, **kwargs)`` when its inputs are split into microbatches.
 
     ``fn`` is traced once on fake tensors (no real compute): the split dim of every ``Shard(d)``
-    input gets one shared symbolic size ``B`` (the batch size), every other dim keeps its size.
-    Each output leaf then gets:
+    input gets one shared symbolic size ``B`` (the batch size), every other dim keeps its size,
+    and every traced value gets a kind saying how it depends on the batch
+    (:mod:`pshard._batch_kinds`: per-example rows, a sum / max / min over the batch times a power
+    of ``B``, a ratio of batch sums, or a mix). Each output leaf then gets:
 
-    - ``Shard(d)`` when its dim ``d`` has size exactly ``B``;
-    - ``Partial("mean")`` when it has no dim of size ``B`` but depends on a split input (or on
-      ``B``): a reduction over the batch, such as a mean loss;
+    - ``Shard(d)`` when its dim ``d`` has size exactly ``B`` and its rows are per-example values;
+    - ``Partial(r)`` when it is a reduction over the batch, ``r`` the reduction the trace
+      applies: ``"sum"``, ``"mean"`` (a sum divided by ``B``), ``"max"``, ``"min"``;
     - ``Replicate()`` when it does not depend on the split inputs at all (e.g. a function of the
       parameters only), and for Python scalars and ``None``.
 
-    Pseudo-code::
+    Anything else is an error naming the output and asking for ``out_specs``: inference is
+    exact or refuses. That includes a mean over tokens (a ratio of two sums over the batch,
+    such as ``cross_entropy``'s mean over non-ignored targets: ``pmap_microbatch`` accepts it
+    as ``Partial("mean")`` when given a ``weight_fn``), the square of a mean, a value minus the
+    batch mean, one row of the batch, batch norm in training mode, and the gradient of a mean
+    with respect to a split input (per-example values scaled by ``1 / B``). Pseudo-code::
 
         B = Symbol()                        # shared by every Shard input's split dim
         out = fn(*fake(args, B), **fake(kwargs, B))
-        spec(leaf) = Shard(d)          if leaf.shape[d] == B
-                     Partial("mean")   if leaf depends on a Shard input
-                     Replicate()       otherwise
+        spec(leaf) = Shard(d)          if leaf.shape[d] == B and its rows are per-example
+                     Partial(r)        if leaf is the reduction r over the batch
+                     Replicate()       if leaf does not depend on a Shard input
+                     error             otherwise
 
-    The result is cached per ``fn`` (held weakly) and input signature (tree structure, shapes
-    apart from the batch size, dtypes, specs, non-tensor argument values), so ``fn`` is traced
-    once per signature; the cache assumes ``fn``'s behaviour depends only on that signature
-    (not on, say, a closure whose shapes change).
+    The trace runs outside any ``torch.func`` transform that is calling it and builds its fake
+    inputs from the arguments' metadata, so the answer is the same under ``grad``, ``vmap`` or
+    ``requires_grad`` inputs as in a plain call. It is cached per ``fn`` (held weakly) and
+    input signature (tree structure, shapes apart from the batch size, dtypes, specs, non-tensor
+    argument values, ``requires_grad``, grad mode); the cache assumes ``fn``'s behaviour depends
+    only on that (not on, say, a closure whose shapes change).
 
     The batch symbol's example value while tracing is a small prime that no input dim has
     (``17`` unless taken), never the real batch size: a batch of 1 is not specialised away by
     broadcasting, and a batch size equal to another dim's size is never mistaken for it.
-
-    ``Partial("mean")`` is the convention for every batch-dependent output without the batch
-    dim (right for mean losses and their gradients); a sum or a count over the batch needs
-    explicit out specs (``Partial("sum")``). A dim of size ``B`` is taken for the batch dim even
-    when its values index the batch (``torch.arange(B)``); random tensors that do not depend on
-    the inputs are ``Replicate()``. Python side effects of ``fn`` happen during the trace (on
-    fake values). Not supported (an error that asks for explicit out specs): a Python loop over
-    the batch dim, ``.item()`` and other data-dependent values, flex attention (its eager path
-    compiles, which refuses the tracing mode), and analysis nested inside another trace.
+    Python side effects of ``fn`` happen during the trace (on fake values). Not supported (an
+    error that asks for explicit out specs): a Python loop over the batch dim, ``.item()`` and
+    other data-dependent values, higher-order operators (``torch.cond``) fed by the batch, flex
+    attention (its eager path compiles, which refuses the tracing mode), and analysis nested
+    inside another trace.
 
     Args:
         fn: the function; it may call ``nn.Module``\\ s (their parameters and buffers stay
@@ -766,9 +775,10 @@ def infer_out_specs(
 
     Raises:
         ValueError: naming the function and the output path (``infer_out_specs(loss_fn)
-            output[1]['logits']: ...``) when an output has the batch size in two dims, or has a
-            dim that is an expression of it (``2*B`` after a reshape), or is a Python number
-            computed from it; when tracing fails (data-dependent control flow, ``.item()``);
+            output[1]['logits']: ...``) when an output is not one of the kinds above (saying
+            which kind it is), has the batch size in two dims, or has a dim that is an
+            expression of it (``2*B`` after a reshape), or is a Python number computed from it;
+            when tracing fails (data-dependent control flow, ``.item()``);
             when the Shard inputs disagree on the batch size; for specs that are not a prefix of
             the arguments or do not fit their leaf (``TypeError`` for a spec that is not
             ``Shard``/``Replicate``/``None``).
@@ -778,10 +788,12 @@ def infer_out_specs(
         >>> import pshard as ps
         >>> def loss_fn(w, x):
         ...     logits = x @ w
-        ...     return logits.logsumexp(-1).mean(), {"logits": logits, "w_norm": w.norm()}
-        >>> ps.infer_out_specs(loss_fn, torch.ones(3, 5), torch.ones(8, 3),
-        ...                    in_specs=(ps.Replicate(), ps.Shard(0)))
-        (Partial('mean'), {'logits': Shard(0), 'w_norm': Replicate()})
+        ...     return logits.logsumexp(-1).mean(), {"logits": logits, "w_norm": w.norm(),
+        ...                                          "top": logits.amax(0), "n": x.sum(0)}
+        >>> loss, rest = ps.infer_out_specs(loss_fn, torch.ones(3, 5), torch.ones(8, 3),
+        ...                                 in_specs=(ps.Replicate(), ps.Shard(0)))
+        >>> loss, rest["logits"], rest["w_norm"], rest["top"], rest["n"]
+        (Partial('mean'), Shard(0), Replicate(), Partial('max'), Partial('sum'))
     """
     api = "infer_out_specs"
     where = f"{api}({_fn_name(fn)})"
