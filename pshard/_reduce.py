@@ -5,9 +5,11 @@ A reducer takes each chunk's value in turn (``add(x, weight, i)``) and gives the
 (``result()``), keeping only its accumulator between chunks:
 
 - ``Partial("sum" | "max" | "min")``: elementwise, in ``accum_dtype`` for floating tensors when
-  given; Python numbers reduce as numbers;
-- ``Partial("mean")``: the weighted mean as a running mean (``lerp``), so a single chunk comes
-  back exactly and a zero-weight chunk (known on the host) is skipped, NaN or not; a weight that
+  given (float32 for ``bfloat16`` / ``float16`` when not: one rounding at the end, not one per
+  chunk); Python numbers reduce as numbers;
+- ``Partial("mean")``: the weighted sum divided by the total weight at the end (IEEE semantics:
+  an ``inf`` stays ``inf``), accumulated like a sum; a single contributing chunk comes back
+  exactly and a zero-weight chunk (known on the host) is skipped, NaN or not; a weight that
   cannot be read (under ``vmap``) is applied with ``where`` instead of a branch;
 - ``Replicate()``: the first chunk's value (compared with the others in debug mode);
 - ``Shard(d)`` (:class:`Concat`): written into one buffer preallocated from chunk 0's shape, or
@@ -41,6 +43,9 @@ from ._placements import Partial, Shard
 from ._tree import NAMESPACE, describe
 
 __all__ = ["Concat", "ReduceError", "make_reducer", "weight_value"]
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class ReduceError(Exception):
@@ -126,8 +131,11 @@ class _Reducer:
         if isinstance(x, torch.Tensor):
             if self.dtype is None:
                 self.dtype = x.dtype
-            if self.accum is not None and x.is_floating_point() and x.dtype != self.accum:
-                return x.to(self.accum)
+            accum = self.accum
+            if accum is None and x.dtype in _LOW_PRECISION and self.several:
+                accum = torch.float32  # one rounding at the end, not one per chunk
+            if accum is not None and x.is_floating_point() and x.dtype != accum:
+                return x.to(accum)
         return x
 
     def _inplace(self, x: Any) -> bool:
@@ -195,10 +203,11 @@ def _as_tensors(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Mean(_Reducer):
-    """Weighted mean, kept as a running mean: ``mean += (x - mean) * w / W`` (``lerp``), so one
-    chunk gives its value back exactly and a zero-weight chunk is never touched."""
+    """Weighted mean: ``sum(w * x) / sum(w)``, divided once at the end (so an ``inf`` stays
+    ``inf``, where a running ``lerp`` gives ``inf - inf``); a single contributing chunk is
+    given back as it came, and a zero-weight chunk is never touched."""
 
-    __slots__ = ("total", "zero")
+    __slots__ = ("total", "zero", "pending", "count")
 
     def __init__(
         self, spec: Any, accum_dtype: torch.dtype | None, label: str, several: bool
@@ -206,6 +215,8 @@ class _Mean(_Reducer):
         super().__init__(spec, accum_dtype, label, several)
         self.total: Any = 0.0
         self.zero: Any = None  # a zero of the right kind while every weight so far was zero
+        self.pending: Any = None  # the weight the first contribution is not yet scaled by
+        self.count = 0  # chunks with a non-zero weight
 
     def add(self, x: Any, w: Any, i: int) -> None:
         _check_reducible(x, self.spec)
@@ -220,47 +231,59 @@ class _Mean(_Reducer):
             return
         if w == 0:  # contributes nothing, even when x is NaN
             if self.value is None and self.zero is None:
-                self.zero = torch.zeros_like(x) if isinstance(x, torch.Tensor) else 0.0
+                self.zero = torch.zeros_like(given) if isinstance(x, torch.Tensor) else 0.0
             return
-        value = self.value
         self.total += w
-        if value is None:
+        self.count += 1
+        if self.value is None:  # kept unscaled: a single contribution comes back as it came
             self._start(x if isinstance(x, torch.Tensor) else float(x), given)
+            self.pending = w
             return
-        r = w / self.total
+        if self.pending is not None:  # now scale the first by its weight
+            first, self.pending = self.pending, None
+            if self._inplace(self.value):
+                self.value.mul_(first)
+            else:
+                self.value = self.value * first
+                self.owned = isinstance(self.value, torch.Tensor)
         if self._inplace(x):
-            value.lerp_(x, r)
-        elif isinstance(value, torch.Tensor) or isinstance(x, torch.Tensor):
-            a, b = _as_tensors(value, x)
-            self.value = torch.lerp(a, b.to(a.dtype), r)
+            self.value.add_(x, alpha=w)
+        elif isinstance(self.value, torch.Tensor) or isinstance(x, torch.Tensor):
+            a, b = _as_tensors(self.value, x)
+            self.value = a + b.to(a.dtype) * w
             self.owned = True
         else:
-            self.value = value + (x - value) * r
+            self.value = self.value + x * w
 
     def _add_masked(self, x: Any, w: torch.Tensor) -> None:
         # The weight cannot be read (vmap): select instead of branching, so that a zero-weight
         # chunk still contributes nothing (and no NaN) in value.
-        value = self.value
-        if value is None and self.zero is not None:
-            value = self.zero
         if not isinstance(x, torch.Tensor):
             x = torch.as_tensor(x, dtype=torch.get_default_dtype(), device=w.device)
-        if value is None:
-            self.value = torch.where(w != 0, x, torch.zeros_like(x))
-            self.total = w
-            self.owned = True
+        scaled = torch.where(w != 0, x * w.to(x.dtype), torch.zeros_like(x))
+        if self.pending is not None:  # a readable weight came first: scale it now
+            self.value, self.pending = self.value * self.pending, None
+        self.count = 2  # never given back as it came
+        if self.value is None:
+            self.value, self.total, self.owned = scaled, w, True
             return
-        a, b = _as_tensors(value, x)
-        total = self.total + w
-        r = (w / torch.where(total == 0, torch.ones_like(total), total)).to(a.dtype)
-        self.value = torch.where(w != 0, torch.lerp(a, b.to(a.dtype), r), a)
-        self.total = total
+        a, b = _as_tensors(self.value, scaled)
+        self.value = a + b.to(a.dtype)
+        self.total = self.total + w
         self.owned = True
 
     def result(self) -> Any:
         if self.value is None:
             return self.zero
-        return super().result()
+        if self.count == 1:
+            return super().result()
+        total = self.total
+        if isinstance(total, torch.Tensor):
+            total = torch.where(total == 0, torch.ones_like(total), total).to(self.value.dtype)
+        value = self.value / total
+        if isinstance(value, torch.Tensor) and self.dtype is not None and value.dtype != self.dtype:
+            return value.to(self.dtype)
+        return value
 
 
 class _First(_Reducer):

@@ -493,7 +493,13 @@ def _concat_problem(column: Sequence[Any], spec: Shard, error: Exception) -> str
     return f"{spec!r}: torch.cat failed: {error}"
 
 
-def merge(chunks: Sequence[Any], specs: Any, *, weights: Sequence[Any] | None = None) -> Any:
+def merge(
+    chunks: Sequence[Any],
+    specs: Any,
+    *,
+    weights: Sequence[Any] | None = None,
+    accum_dtype: torch.dtype | None = None,
+) -> Any:
     """Merge per-chunk results into one, the inverse of :func:`split` for results.
 
     Each leaf of ``specs`` (a prefix tree of a chunk) says how the chunks' leaves below it
@@ -507,6 +513,9 @@ def merge(chunks: Sequence[Any], specs: Any, *, weights: Sequence[Any] | None = 
       must hold an equal one).
 
     Python numbers under ``Partial`` reduce as numbers; a mean of integer tensors is an error.
+    Reductions keep IEEE semantics (an ``inf`` in a mean stays ``inf``) and accumulate
+    ``bfloat16`` / ``float16`` in float32 (one rounding at the end) unless ``accum_dtype`` says
+    otherwise; the result has the chunks' dtype.
 
     Args:
         chunks: the per-chunk trees, all of the same structure.
@@ -516,6 +525,8 @@ def merge(chunks: Sequence[Any], specs: Any, *, weights: Sequence[Any] | None = 
             ``Partial("mean")`` leaves. Default: each chunk's size along the split dim of the
             first ``Shard`` leaf of the tree (the chunk sizes when the chunks come from
             :func:`split`), or equal weights when no leaf is ``Shard``.
+        accum_dtype: the dtype floating ``Partial`` leaves accumulate in (default: float32
+            for ``bfloat16`` / ``float16``, their own dtype otherwise).
 
     Returns:
         One tree with the structure of a chunk.
@@ -602,7 +613,7 @@ def merge(chunks: Sequence[Any], specs: Any, *, weights: Sequence[Any] | None = 
             mean_weights = _default_weights(resolved, columns, k)
         if debug is None:
             debug = debug_enabled()
-        reducer = make_reducer(spec, None, None, "chunks[{}]", k, debug=debug)
+        reducer = make_reducer(spec, accum_dtype, None, "chunks[{}]", k, debug=debug)
         try:
             for c, x in enumerate(column):
                 reducer.add(x, mean_weights[c] if mean_weights is not None else 1.0, c)

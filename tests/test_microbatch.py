@@ -258,7 +258,8 @@ def test_accum_dtype():
     specs = {"num_microbatches": 32, "out_specs": ps.Partial("sum")}
     out = ps.pmap_microbatch(f, accum_dtype=torch.float32, **specs)(values)
     assert out.dtype == torch.bfloat16 and out == wide
-    assert ps.pmap_microbatch(f, **specs)(values) == narrow
+    assert ps.pmap_microbatch(f, **specs)(values) == wide  # float32 is the default for bf16
+    assert ps.pmap_microbatch(f, accum_dtype=torch.bfloat16, **specs)(values) == narrow
 
 
 def test_shard_output_sizes_that_do_not_scale():
@@ -542,3 +543,44 @@ def test_errors_weights_and_replicate(monkeypatch):
         ),
     ):
         ps.pmap_microbatch(mean, num_microbatches=2, out_specs=None)(x)
+
+
+# --------------------------------------------------------------------------- IEEE and precision
+
+
+def test_mean_keeps_ieee_semantics():
+    """An inf in a mean stays inf (a running lerp turned it into nan), a nan stays nan."""
+    x = torch.tensor([[1.0], [float("inf")], [2.0], [3.0], [4.0], [5.0]], dtype=DT)
+    for k in (2, 3, 6):
+        out = ps.pmap_microbatch(lambda x: x.mean(), num_microbatches=k)(x)
+        assert out.item() == float("inf"), k
+    chunks = [torch.tensor(float("inf")), torch.tensor(1.0), torch.tensor(2.0)]
+    assert ps.merge(chunks, ps.Partial("mean")).item() == float("inf")
+    assert ps.merge([torch.tensor(-float("inf")), torch.tensor(1.0)], ps.Partial("mean")) == -float(
+        "inf"
+    )
+    assert ps.merge([torch.tensor(float("nan")), torch.tensor(1.0)], ps.Partial("mean")).isnan()
+    # one contributing chunk comes back exactly; a zero-weight chunk contributes nothing
+    x = torch.tensor(0.1, dtype=DT)
+    assert ps.merge([x], ps.Partial("mean"), weights=[3.0]).item() == 0.1
+    nan = torch.tensor(float("nan"), dtype=DT)
+    assert ps.merge([x, nan], ps.Partial("mean"), weights=[7.0, 0.0]).item() == 0.1
+
+
+def test_low_precision_accumulates_in_float32():
+    """bf16 / fp16 sums and means accumulate in float32 by default (256 + 255 x 1 = 511)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        chunks = [torch.tensor(256.0, dtype=dtype)] + [torch.tensor(1.0, dtype=dtype)] * 255
+        total = ps.merge(chunks, ps.Partial("sum"))
+        assert total.dtype == dtype
+        assert total.item() == (512.0 if dtype == torch.bfloat16 else 511.0)  # one rounding
+        mean = ps.merge(chunks, ps.Partial("mean"))
+        assert mean.dtype == dtype
+        torch.testing.assert_close(mean.float(), torch.tensor(511 / 256), atol=1e-2, rtol=0)
+        if dtype == torch.bfloat16:  # asked for bf16 accumulation explicitly: a rounding a step
+            low = ps.merge(chunks, ps.Partial("sum"), accum_dtype=dtype)
+            assert low.item() == 256.0
+    x = torch.ones(512, 1, dtype=torch.bfloat16)
+    x[0] = 256
+    out = ps.pmap_microbatch(lambda x: x.sum(), num_microbatches=256)(x)
+    assert out.item() == 768.0  # 256 + 511 ones, rounded once to bf16
