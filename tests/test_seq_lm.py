@@ -171,4 +171,21 @@ def test_token_mean_loss_errors() -> None:
     ):
         ps.token_mean_loss(torch.tensor(3), 1, "sp")
     with pytest.raises(ValueError, match=re.escape("num_tokens (shape (3,)) does not broadcast")):
-        ps.token_mean_loss(torch.zeros(2), torch.ones(3), "sp")
+        ps.token_mean_loss(torch.zeros(2), torch.ones(3, dtype=torch.int64), "sp")
+
+
+def test_token_mean_loss_edge_cases() -> None:
+    ps.init_mesh({"sp": 1})
+    # no token anywhere: 0 with a zero gradient, whatever the sum holds
+    total = torch.tensor(3.0, requires_grad=True)
+    out = ps.token_mean_loss(total, 0, "sp")
+    assert out.item() == 0.0
+    out.backward()
+    assert total.grad.item() == 0.0
+    # float16 losses with more tokens than float16 can count
+    half = ps.token_mean_loss(torch.tensor(7000.0, dtype=torch.float16), 70000, "sp")
+    assert half.dtype == torch.float16 and half.item() == pytest.approx(0.1, rel=1e-3)
+    with pytest.raises(ValueError, match=re.escape("token_mean_loss: num_tokens must be >= 0")):
+        ps.token_mean_loss(torch.tensor(3.0), -2, "sp")
+    with pytest.raises(TypeError, match=re.escape("token_mean_loss: num_tokens must be an int")):
+        ps.token_mean_loss(torch.tensor(3.0), 2.5, "sp")

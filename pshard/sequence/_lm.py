@@ -202,14 +202,15 @@ def token_mean_loss(
     Each rank passes the *sum* of its per-token losses and its number of tokens (e.g. its
     targets ``shift_labels != -100``); every rank gets the same global mean. A rank without
     tokens passes zeros; when no rank has a token the result is 0 (never NaN). One all-reduce
-    carries both sums. Differentiable in ``losses_sum`` (``psum``'s transpose is ``psum``, so
-    inside ``shard_map_seq`` the gradient is the single-process gradient of the token mean);
-    ``num_tokens`` is a count and gets no gradient.
+    carries both sums, in float32 at least (a ``float16`` loss with more than 65504 tokens keeps
+    an exact count); the result has ``losses_sum``'s dtype. Differentiable in ``losses_sum``
+    (``psum``'s transpose is ``psum``, so inside ``shard_map_seq`` the gradient is the
+    single-process gradient of the token mean); ``num_tokens`` is a count and gets no gradient.
 
     Args:
         losses_sum: this rank's sum of per-token losses (a floating-point tensor, usually 0-dim).
-        num_tokens: this rank's number of tokens (an int or a tensor broadcastable with
-            ``losses_sum``).
+        num_tokens: this rank's number of tokens (a non-negative int or integer tensor
+            broadcastable with ``losses_sum``).
         axis: the mesh axis (or axes) the tokens are split over.
 
     Returns:
@@ -233,14 +234,25 @@ def token_mean_loss(
             f"{fn}: losses_sum must be a floating-point tensor (the sum of this rank's per-token "
             f"losses), got {describe(losses_sum)}"
         )
-    count = torch.as_tensor(num_tokens, device=losses_sum.device).detach().to(losses_sum.dtype)
+    count = torch.as_tensor(num_tokens, device=losses_sum.device).detach()
+    if count.is_floating_point() or count.is_complex() or count.dtype == torch.bool:
+        raise TypeError(
+            f"{fn}: num_tokens must be an integer count (an int or an integer tensor), got "
+            f"{describe(num_tokens)}"
+        )
+    if bool((count < 0).any()):
+        raise ValueError(f"{fn}: num_tokens must be >= 0, got {count.tolist()}")
+    # counts beyond float16's range (65504) stay exact: reduce in float32 at least
+    acc = torch.promote_types(losses_sum.dtype, torch.float32)
     try:
-        total, count = torch.broadcast_tensors(losses_sum, count)
+        total, count = torch.broadcast_tensors(losses_sum.to(acc), count.to(acc))
     except RuntimeError:
         raise ValueError(
             f"{fn}: num_tokens (shape {tuple(count.shape)}) does not broadcast with losses_sum "
             f"(shape {tuple(losses_sum.shape)})"
         ) from None
     both = psum(torch.stack([total, count]), axis)
-    # no tokens anywhere: the sum is 0 too, and 0 / 1 keeps the result and its gradient finite
-    return both[0] / torch.where(both[1] > 0, both[1], torch.ones_like(both[1]))
+    # no tokens anywhere: the mean is 0 (whatever losses_sum holds), with a zero gradient
+    some = both[1] > 0
+    mean = both[0] / torch.where(some, both[1], torch.ones_like(both[1]))
+    return torch.where(some, mean, torch.zeros_like(mean)).to(losses_sum.dtype)
