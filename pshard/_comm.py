@@ -23,18 +23,45 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class Comm(NamedTuple):
-    """A resolved axis plus whether debug checks are on; ``group`` is ``None`` for one rank."""
+    """A resolved axis plus whether debug checks are on; ``group`` is ``None`` for one rank.
+
+    ``rank`` and every index a caller passes (``perm``, ``src``, ``dst``, block positions) are
+    indices on the axis; ``order[i]`` is the group rank of index ``i`` when the two differ
+    (:class:`pshard._mesh.AxisInfo`), and the functions below translate."""
 
     group: dist.ProcessGroup | None
     size: int
     rank: int
     name: str
     debug: bool
+    order: tuple[int, ...] | None = None
 
 
 def comm(axis: Axis, fn: str) -> Comm:
     info = resolve_axis(axis, fn=fn)
-    return Comm(info.group, info.size, info.rank, info.name, debug_enabled())
+    return Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
+
+
+def _peer(c: Comm, index: int) -> int:
+    """The global rank of index ``index`` on the axis."""
+    return dist.get_global_rank(c.group, index if c.order is None else c.order[index])
+
+
+def _by_index(blocks: torch.Tensor, c: Comm) -> torch.Tensor:
+    """Blocks in group-rank order (dim 0) -> in axis-index order."""
+    if c.order is None:
+        return blocks
+    return blocks.index_select(0, torch.tensor(c.order, device=blocks.device))
+
+
+def _by_group(blocks: torch.Tensor, c: Comm) -> torch.Tensor:
+    """Blocks in axis-index order (dim 0) -> in group-rank order."""
+    if c.order is None:
+        return blocks
+    inverse = [0] * c.size
+    for i, g in enumerate(c.order):
+        inverse[g] = i
+    return blocks.index_select(0, torch.tensor(inverse, device=blocks.device))
 
 
 def all_reduce(x: torch.Tensor, c: Comm, op: str) -> torch.Tensor:
@@ -52,6 +79,7 @@ def all_gather(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
     inp = x.contiguous()
     buf = inp.new_empty((c.size, *inp.shape))
     _all_gather_flat(buf.view(-1), inp.view(-1), group=c.group)  # flat: any backend, no copy
+    buf = _by_index(buf, c)
     if tiled:  # (n, ..., s_dim, ...) -> (..., n * s_dim, ...), rank-major
         return buf.movedim(0, dim).flatten(dim, dim + 1)
     return buf.movedim(0, dim).contiguous()
@@ -61,7 +89,7 @@ def reduce_scatter(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Ten
     if c.debug:
         check_collective("psum_scatter", c.group, c.name, x, (dim, int(tiled)))
     blocks = x.unflatten(dim, (c.size, -1)) if tiled else x.unsqueeze(dim + 1)
-    inp = blocks.movedim(dim, 0).contiguous()  # block r is the r-th slab of the buffer
+    inp = _by_group(blocks.movedim(dim, 0), c).contiguous()  # slab g goes to group rank g
     out = inp.new_empty(inp.shape[1:])
     _reduce_scatter_flat(out.view(-1), inp.view(-1), group=c.group)
     return out if tiled else out.squeeze(dim)
@@ -70,10 +98,10 @@ def reduce_scatter(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Ten
 def all_to_all(x: torch.Tensor, c: Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
     if c.debug:
         check_collective("all_to_all", c.group, c.name, x, (split_dim, concat_dim))
-    inp = x.unflatten(split_dim, (c.size, -1)).movedim(split_dim, 0).contiguous()
+    inp = _by_group(x.unflatten(split_dim, (c.size, -1)).movedim(split_dim, 0), c).contiguous()
     out = torch.empty_like(inp)
-    dist.all_to_all_single(out.view(-1), inp.view(-1), group=c.group)  # out[r]: from rank r
-    return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+    dist.all_to_all_single(out.view(-1), inp.view(-1), group=c.group)  # out[g]: from group rank g
+    return _by_index(out, c).movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 
 
 def ppermute(x: torch.Tensor, c: Comm, perm: Perm) -> torch.Tensor:
@@ -95,12 +123,10 @@ def ppermute_start(x: torch.Tensor, c: Comm, perm: Perm) -> tuple[torch.Tensor, 
         if src == dst == c.rank:
             out = x.clone(memory_format=torch.contiguous_format)
         elif src == c.rank:
-            peer = dist.get_global_rank(c.group, dst)
-            ops.append(dist.P2POp(dist.isend, inp, peer, c.group))
+            ops.append(dist.P2POp(dist.isend, inp, _peer(c, dst), c.group))
         elif dst == c.rank:
             out = torch.empty_like(inp)
-            peer = dist.get_global_rank(c.group, src)
-            ops.append(dist.P2POp(dist.irecv, out, peer, c.group))
+            ops.append(dist.P2POp(dist.irecv, out, _peer(c, src), c.group))
     pending = dist.batch_isend_irecv(ops) if ops else []
     return (torch.zeros_like(inp) if out is None else out), pending
 
@@ -115,7 +141,7 @@ def broadcast(x: torch.Tensor, c: Comm, src: int) -> torch.Tensor:
     if c.debug:
         check_collective("broadcast", c.group, c.name, x, (src,))
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.broadcast(out, src=dist.get_global_rank(c.group, src), group=c.group)
+    dist.broadcast(out, src=_peer(c, src), group=c.group)
     return out
 
 
@@ -123,5 +149,5 @@ def reduce(x: torch.Tensor, c: Comm, dst: int) -> torch.Tensor:
     if c.debug:
         check_collective("reduce", c.group, c.name, x, (dst,))
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.reduce(out, dst=dist.get_global_rank(c.group, dst), group=c.group)
+    dist.reduce(out, dst=_peer(c, dst), group=c.group)
     return out if c.rank == dst else out.zero_()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import math
 import os
 from collections.abc import Iterator
@@ -140,12 +141,17 @@ def current_mesh() -> DeviceMesh:
 
 
 class AxisInfo(NamedTuple):
-    """One resolved axis: its process group, size and this rank's index on it."""
+    """One resolved axis: its process group, size and this rank's index on it.
+
+    ``order[i]`` is the group rank of index ``i`` on the axis when the two differ (a tuple of
+    mesh axes named in another order than the mesh's: the group follows the mesh, the indices
+    follow the tuple, JAX's rule); ``None`` when they agree."""
 
     group: dist.ProcessGroup | None  # None when size == 1 (no communication needed)
     size: int
     rank: int
     name: str
+    order: tuple[int, ...] | None = None
 
 
 def _axis_names(axis: str | tuple[str, ...], fn: str) -> tuple[str, ...]:
@@ -161,7 +167,8 @@ def _axis_names(axis: str | tuple[str, ...], fn: str) -> tuple[str, ...]:
 
 def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshard") -> AxisInfo:
     """Resolve ``axis`` (a mesh-axis name, a tuple of names, or a ProcessGroup) to its group,
-    size and this rank's index. A tuple of names is their product, major to minor, as in JAX.
+    size and this rank's index. A tuple of names is their product, major to minor in the order
+    given, as in JAX (``("y", "x")`` on a mesh ``{"x": 2, "y": 2}``: index ``2 * y + x``).
 
     Example:
         >>> import pshard as ps
@@ -209,21 +216,29 @@ def _resolve_names(names: tuple[str, ...], mesh: DeviceMesh, axis: Axis, fn: str
     label = ",".join(names)
     if size == 1:
         return AxisInfo(None, 1, 0, label)
-    live = [n for n, s in zip(names, sizes, strict=True) if s > 1]
+    live = [(n, s) for n, s in zip(names, sizes, strict=True) if s > 1]
     if len(live) == 1:
-        return AxisInfo(mesh.get_group(live[0]), size, rank, label)
-    group = _flattened_group(mesh, tuple(live), fn)
-    return AxisInfo(group, size, rank, label)
+        return AxisInfo(mesh.get_group(live[0][0]), size, rank, label)
+    in_mesh = sorted(live, key=lambda pair: dim_names.index(pair[0]))
+    group = _flattened_group(mesh, tuple(n for n, _ in in_mesh))
+    order = None
+    if in_mesh != live:  # indices follow the tuple's order, the group the mesh's
+        order = tuple(
+            _linear(dict(zip((n for n, _ in live), coords, strict=True)), in_mesh)
+            for coords in itertools.product(*(range(s) for _, s in live))
+        )
+    return AxisInfo(group, size, rank, label, order)
 
 
-def _flattened_group(mesh: DeviceMesh, names: tuple[str, ...], fn: str) -> dist.ProcessGroup:
-    """The process group spanning several mesh axes in the given major-to-minor order.
+def _linear(coords: dict[str, int], axes: list[tuple[str, int]]) -> int:
+    index = 0
+    for name, size in axes:
+        index = index * size + coords[name]
+    return index
+
+
+def _flattened_group(mesh: DeviceMesh, names: tuple[str, ...]) -> dist.ProcessGroup:
+    """The process group spanning several mesh axes (named in the mesh's order).
 
     DeviceMesh caches flattened meshes on its root mesh, so the group is created once."""
-    dim_names = mesh.mesh_dim_names or ()
-    order = [dim_names.index(n) for n in names]
-    if order != sorted(order):
-        raise ValueError(
-            f"{fn}: axis {names!r}: a tuple of mesh axes must follow the mesh's order {dim_names}"
-        )
     return mesh[names]._flatten().get_group()

@@ -74,7 +74,7 @@ class SeqBoundary:
         self.comm = (
             None
             if info.group is None
-            else Comm(info.group, info.size, info.rank, info.name, debug_enabled())
+            else Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
         )
 
     def _blocks(self, dim: int, where: str) -> BlockLayout:
