@@ -45,7 +45,7 @@ import optree
 import torch
 from optree import PyTreeKind, PyTreeSpec
 
-from ._placements import P, Placement, Replicate, Shard, StridedShard
+from ._placements import P, Placement, Replicate, Shard, StridedShard, from_torch_placement
 from ._tree import (
     NAMESPACE,
     article,
@@ -251,6 +251,9 @@ def broadcast_prefix_flat(
     Raises:
         ValueError: ``prefix`` is not a prefix of the value, naming the key path.
 
+    ``torch.distributed.tensor`` placements among the leaves of ``prefix`` are converted to
+    pshard's (:func:`pshard.from_torch_placement`).
+
     Example:
         >>> from pshard._specs import broadcast_prefix_flat
         >>> from pshard._tree import tree_flatten
@@ -259,6 +262,11 @@ def broadcast_prefix_flat(
         ['a', None, None]
     """
     spec_leaves, spec_td = tree_flatten(prefix, none_is_leaf=True)
+    if any(_is_torch_placement(leaf) for leaf in spec_leaves):  # DTensor's: converted
+        spec_leaves = [
+            from_torch_placement(leaf) if _is_torch_placement(leaf) else leaf
+            for leaf in spec_leaves
+        ]
     if spec_td.kind == PyTreeKind.LEAF:
         return spec_leaves * treedef.num_leaves
     try:
@@ -270,6 +278,12 @@ def broadcast_prefix_flat(
     if len(index) == 1:
         return [spec_leaves[index[0]]]
     return list(operator.itemgetter(*index)(spec_leaves))
+
+
+def _is_torch_placement(x: Any) -> bool:
+    """A ``torch.distributed.tensor`` placement (``Shard(0)`` from DTensor)."""
+    module = type(x).__module__
+    return module.startswith("torch.distributed.tensor") and hasattr(x, "is_shard")
 
 
 def broadcast_prefix(

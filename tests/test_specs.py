@@ -429,3 +429,25 @@ def test_is_split() -> None:
     assert is_split(ps.Shard(0)) and is_split(ps.StridedShard(0, 2)) and is_split(ps.P(None, "x"))
     assert not is_split(ps.Replicate()) and not is_split(ps.Partial())
     assert not is_split(ps.P()) and not is_split(ps.P(None))
+
+
+def test_torch_placements_are_accepted_as_specs() -> None:
+    """DTensor's placements work wherever pshard's do (converted), in every transform."""
+    from torch.distributed.tensor import Partial as TPartial
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+
+    ps.init_mesh({"sp": 1})
+    x = torch.arange(8.0).view(4, 2)
+    assert [c.shape for c in ps.split(x, TShard(0), 2)] == [(2, 2), (2, 2)]
+    assert torch.equal(ps.merge(ps.split(x, TShard(1), 2), TShard(1)), x)
+    assert torch.equal(ps.merge([x, 2 * x], TPartial("sum")), 3 * x)
+    mb = ps.pmap_microbatch(lambda x: x * 2, num_microbatches=2, in_specs=(TShard(0),),
+                            out_specs=TShard(0))  # fmt: skip
+    assert torch.equal(mb(x), 2 * x)
+    sm = ps.shard_map(lambda x: x + 1, in_specs=(TShard(0),), out_specs=TShard(0))
+    assert torch.equal(sm(x), x + 1)
+    seq = ps.shard_map_seq(lambda x: x, in_specs=(TShard(1),), out_specs={"a": TReplicate()})
+    with pytest.raises(ValueError, match=re.escape("shard_map_seq out_specs: the spec is a dict")):
+        seq(x)
+    assert ps.infer_out_specs(lambda x: x, x, in_specs=TShard(0)) == ps.Shard(0)
