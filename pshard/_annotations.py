@@ -52,6 +52,7 @@ referenced or hashed is read on every call.
 import dataclasses
 import functools
 import inspect
+import re
 import sys
 import types
 import typing
@@ -63,7 +64,8 @@ from typing import Annotated, Any
 import torch
 from optree import PyTreeKind, PyTreeSpec
 
-from ._placements import P, Placement, Replicate
+from ._placements import P, Placement, Replicate, from_torch_placement
+from ._specs import _is_torch_placement
 from ._specs import _keys as spec_keys
 from ._tree import describe, tree_flatten, tree_leaves
 
@@ -88,6 +90,9 @@ class AnnotationError(TypeError):
 # --------------------------------------------------------------------------- types -> specs
 
 
+_SPEC_TEXT = re.compile(r"\s*(ps\.)?(Shard|Replicate|Partial|StridedShard|P)\(")
+
+
 def _resolve(annotation: Any, globalns: dict, localns: dict | None) -> Any:
     """``annotation`` with string (forward) references evaluated, ``Annotated`` kept."""
     holder = types.SimpleNamespace(__annotations__={"x": annotation})
@@ -104,9 +109,24 @@ def _spec_of_type(tp: Any, owner: str, *, dataclass_types: bool = False) -> Any:
     """The spec tree ``tp`` carries (see the module docstring), or ``_NO_SPEC``."""
     origin = typing.get_origin(tp)
     if origin is Annotated:
+        found = []
         for item in tp.__metadata__:
+            if _is_torch_placement(item):
+                item = from_torch_placement(item)
             if isinstance(item, _SPEC_TYPES):
-                return item
+                found.append(item)
+            elif isinstance(item, str) and _SPEC_TEXT.match(item):
+                raise AnnotationError(
+                    f"{owner}: {tp} carries the string {item!r}, not a spec; write the spec "
+                    f"itself, Annotated[..., ps.{item}]"
+                )
+        if len(found) > 1:
+            raise AnnotationError(
+                f"{owner}: {tp} carries {len(found)} specs ({', '.join(map(repr, found))}); give "
+                f"it one"
+            )
+        if found:
+            return found[0]
         return _spec_of_type(tp.__origin__, owner, dataclass_types=dataclass_types)
     args = typing.get_args(tp)
     if origin in _UNION_TYPES:

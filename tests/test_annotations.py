@@ -44,7 +44,7 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class FrozenBatch:
-    x: Annotated[torch.Tensor, "a doc string first", S0, S1]
+    x: Annotated[torch.Tensor, "a doc string first", S0]
     mask: torch.Tensor = dataclasses.field(metadata={"pshard": S1})
     scale: float = 1.0
 
@@ -808,3 +808,32 @@ def test_shard_map_seq_annotation_errors():
         ),
     ):
         ctx.run(lambda: (ps.init_mesh({"sp": 1}), mapped(torch.ones(1, 3), y=torch.ones(1, 3))))
+
+
+def test_annotations_that_would_be_ignored_are_errors():
+    """A spec written as a string, or two specs in one Annotated, were silently ignored."""
+
+    @dataclasses.dataclass
+    class Text:
+        a: Annotated[torch.Tensor, "Shard(0)"]
+
+    @dataclasses.dataclass
+    class Two:
+        b: Annotated[torch.Tensor, ps.Shard(0), ps.Replicate()]
+
+    with pytest.raises(TypeError, match=re.escape("carries the string 'Shard(0)', not a spec")):
+        ps.specs_of(Text(torch.zeros(2)))
+    with pytest.raises(TypeError, match=re.escape("carries 2 specs (Shard(0), Replicate())")):
+        ps.specs_of(Two(torch.zeros(2)))
+
+    def f(x: Annotated[torch.Tensor, ps.Shard(0), ps.Shard(1)]) -> torch.Tensor:
+        return x
+
+    with pytest.raises(TypeError, match=re.escape("carries 2 specs (Shard(0), Shard(1))")):
+        ps.pmap_microbatch(f, num_microbatches=2)(torch.zeros(4, 2))
+
+    @dataclasses.dataclass
+    class Doc:  # other metadata is left alone
+        c: Annotated[torch.Tensor, "the ids", ps.Shard(0)]
+
+    assert ps.specs_of(Doc(torch.zeros(2))) == Doc(ps.Shard(0))
