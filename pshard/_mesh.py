@@ -38,7 +38,7 @@ def _init_default_group(backend: str | None) -> None:
     """Initialise the default process group: torchrun's environment when present, else a
     world of one process (an in-memory store, no network)."""
     backend = backend or _default_backend()
-    if all(v in os.environ for v in _TORCHRUN_VARS):
+    if _torchrun():
         if backend == "nccl" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend=backend, init_method="env://")
@@ -64,11 +64,16 @@ def init_mesh(shape: dict[str, int] | None = None, *, backend: str | None = None
     Args:
         shape: mesh axis name -> size, major to minor; the sizes must multiply to the world
             size. ``None`` means one axis ``"world"`` over all ranks.
-        backend: process-group backend for a group created here (ignored when the default
-            group already exists).
+        backend: process-group backend for a group created here; with an existing default
+            group it must be that group's (or left out).
 
     Returns:
         A ``DeviceMesh`` with ``mesh_dim_names`` equal to ``shape``'s keys.
+
+    Raises:
+        ValueError: an unknown backend, ``"nccl"`` without CUDA, a backend other than the
+            existing group's, or sizes that do not multiply to the world size. Nothing is left
+            initialised by a call that raises.
 
     Example:
         >>> import pshard as ps
@@ -87,9 +92,19 @@ def init_mesh(shape: dict[str, int] | None = None, *, backend: str | None = None
             raise TypeError(f"init_mesh: axis names must be str, got {name!r} in shape {shape!r}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"init_mesh: axis {name!r} has size {size!r}; sizes must be ints >= 1")
-    if not dist.is_initialized():
-        _init_default_group(backend)
-    world = dist.get_world_size()
+    created = False
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        current = str(dist.get_backend()).lower()
+        if backend is not None and backend.lower() not in current.split(":"):
+            raise ValueError(
+                f"init_mesh: backend={backend!r} but the default process group already exists "
+                f"with backend {current!r}; a backend can only be chosen when the group is "
+                f"created (leave backend out, or destroy the group first)"
+            )
+    else:
+        backend = _check_backend(backend)
+        world = int(os.environ["WORLD_SIZE"]) if _torchrun() else 1
     if shape is None:
         shape = {"world": world}
     if math.prod(shape.values()) != world:
@@ -97,11 +112,41 @@ def init_mesh(shape: dict[str, int] | None = None, *, backend: str | None = None
             f"init_mesh: shape {shape} has {math.prod(shape.values())} ranks but the world has "
             f"{world}; make the sizes multiply to {world}"
         )
-    mesh = init_device_mesh(
-        _device_type(), tuple(shape.values()), mesh_dim_names=tuple(shape.keys())
-    )
+    if not dist.is_initialized():
+        _init_default_group(backend)
+        created = True
+    try:
+        mesh = init_device_mesh(
+            _device_type(), tuple(shape.values()), mesh_dim_names=tuple(shape.keys())
+        )
+    except BaseException:
+        if created:  # leave no half-made state behind
+            dist.destroy_process_group()
+        raise
     _CURRENT_MESH.set(mesh)
     return mesh
+
+
+def _torchrun() -> bool:
+    return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def _check_backend(backend: str | None) -> str:
+    """The backend for a new default group (``backend`` checked, else the default)."""
+    if backend is None:
+        return _default_backend()
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    if not isinstance(backend, str) or backend.lower() not in known:
+        raise ValueError(
+            f"init_mesh: backend={backend!r} is not a torch.distributed backend; use one of "
+            f"{', '.join(map(repr, known))} (or leave it out: nccl with CUDA, gloo without)"
+        )
+    if backend.lower() == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "init_mesh: backend='nccl' needs CUDA GPUs, and none is available here; use "
+            "backend='gloo' on CPU (or leave it out)"
+        )
+    return backend.lower()
 
 
 @contextlib.contextmanager

@@ -334,3 +334,49 @@ def test_resolve_axis_skips_unit_axes_and_flattens_non_adjacent_ones(pool):
         assert out["a", "c"] == (4, r, "a,c", [0, 1, 2, 3])
         assert out["a", "b", "c"] == (4, r, "a,b,c", [0, 1, 2, 3])
         assert out["b", "c"] == (2, c, "b,c", [2 * a, 2 * a + 1])
+
+
+_FRESH_PROCESS = r"""
+import torch.distributed as dist
+import pshard as ps
+
+def attempt(**kw):
+    try:
+        ps.init_mesh(**kw)
+    except ValueError as e:
+        return str(e)
+
+print(attempt(shape={"x": 3}))
+print(dist.is_initialized())
+print(attempt(backend="ncl"))
+print(attempt(backend="nccl"))
+print(dist.is_initialized())
+mesh = ps.init_mesh(backend="gloo")
+print(dist.get_backend(), mesh.mesh_dim_names)
+print(attempt(backend="nccl"))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
+def test_init_mesh_failures_leave_nothing_behind():
+    """A failed init_mesh leaves no default group (the next call's backend is honoured); bad
+    backends are clear errors, not AssertionError / AttributeError."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (
+        "init_mesh: shape {'x': 3} has 3 ranks but the world has 1; make the sizes multiply to 1"
+    )
+    assert lines[1] == "False"
+    assert lines[2].startswith("init_mesh: backend='ncl' is not a torch.distributed backend")
+    assert lines[3].startswith("init_mesh: backend='nccl' needs CUDA GPUs")
+    assert lines[4] == "False"
+    assert lines[5] == "gloo ('world',)"
+    assert lines[6].startswith(
+        "init_mesh: backend='nccl' but the default process group already exists with backend 'gloo'"
+    )
