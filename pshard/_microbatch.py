@@ -8,6 +8,7 @@ time, and each output leaf is reduced as soon as its microbatch finishes (the st
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -341,7 +342,8 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
         out = fn(*mb_args, **mb_kwargs)
         if weight_fn is not None:
             weight = weight_value(
-                weight_fn(*mb_args, **mb_kwargs), f"{where}: weight_fn for microbatch {i}"
+                _call_weight_fn(weight_fn, mb_args, mb_kwargs, where),
+                f"{where}: weight_fn for microbatch {i}",
             )
         else:
             weight = float(sizes[i]) if sizes is not None else 1.0
@@ -374,6 +376,29 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
         _fold(reducers, out_leaves, weight, i, out_def, where)
         del out_leaves
     return out_def.unflatten([reducer.result() for reducer in reducers])
+
+
+def _call_weight_fn(weight_fn: Callable[..., Any], args: tuple, kwargs: dict, where: str) -> Any:
+    """``weight_fn(*args, **kwargs)``; a call its signature cannot take is a clear error."""
+    try:
+        inspect.signature(weight_fn).bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"{where}: weight_fn is called like fn, with each microbatch's arguments "
+            f"({len(args)} positional{', ' + ', '.join(kwargs) if kwargs else ''}), but "
+            f"{_fn_name(weight_fn)}{_signature_text(weight_fn)} cannot take them ({error}); "
+            f"give weight_fn fn's parameters, e.g. lambda *args, **kwargs: ..."
+        ) from None
+    except ValueError:  # no signature to check (a builtin): just call it
+        pass
+    return weight_fn(*args, **kwargs)
+
+
+def _signature_text(fn: Callable[..., Any]) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
 
 
 def _fold(

@@ -209,6 +209,12 @@ def split_columns(
         return [(leaf,) * k for leaf in leaves], None
     if plan.recheck is not None and (k > plan.size or k == 1):
         plan = plan.recheck()  # the sizes have not been compared yet
+    if plan.size == 0:
+        raise ValueError(
+            f"{where} {name_of(plan.first)}: the batch is empty: {specs[plan.first]!r} splits a "
+            f"dim of size 0 ({_first_text(leaves, specs, plan.first)}), so there is nothing to "
+            f"split into {k} chunk{'s' if k != 1 else ''}; skip empty batches before the call"
+        )
     if k > plan.size:
         raise ValueError(
             f"{where} {name_of(plan.first)}: {count_name}={k} but {specs[plan.first]!r} "

@@ -584,3 +584,29 @@ def test_low_precision_accumulates_in_float32():
     x[0] = 256
     out = ps.pmap_microbatch(lambda x: x.sum(), num_microbatches=256)(x)
     assert out.item() == 768.0  # 256 + 511 ones, rounded once to bf16
+
+
+def test_clear_errors_for_common_mistakes():
+    x = torch.ones(4, dtype=DT)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "split specs: the batch is empty: Shard(0) splits a dim of size 0 (dim 0 of a tensor "
+            "of shape (0, 3)), so there is nothing to split into 2 chunks"
+        ),
+    ):
+        ps.split(torch.zeros(0, 3), ps.Shard(0), 2)
+    with pytest.raises(ValueError, match=re.escape("pmap_microbatch(<lambda>) in_specs[0]: the")):
+        ps.pmap_microbatch(lambda x: x, num_microbatches=2)(torch.zeros(0, 3))
+    step = ps.pmap_microbatch(
+        lambda x, y: (x * y).sum(), num_microbatches=2, out_specs=ps.Partial("mean"),
+        weight_fn=lambda x: 1.0,
+    )  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "pmap_microbatch(<lambda>): weight_fn is called like fn, with each microbatch's "
+            "arguments (2 positional), but <lambda>(x) cannot take them"
+        ),
+    ):
+        step(x, x)

@@ -540,6 +540,9 @@ def test_errors() -> None:
             fn(q, q, q, segment_ids=torch.zeros(2, 5))
         with pytest.raises(ValueError, match=re.escape(f"{name}: window=0 must be >= 1")):
             fn(q, q, q, window=0)
+        ints = q.long()
+        with pytest.raises(TypeError, match=re.escape(f"{name}: q, k, v must have one floating")):
+            fn(ints, ints, ints)
 
     def no_mask(q, k, v, is_causal=False, scale=None, enable_gqa=False):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)

@@ -168,7 +168,7 @@ def ulysses_attention(
         >>> torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
         True
     """
-    sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim)
+    sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim, one_dtype=True)
     win = check_window(_FN, window)
     seg = None if segment_ids is None else check_segment_ids(_FN, segment_ids, q, sd, hd)
     if attn_fn is not None and (seg is not None or win is not None) and not _takes_mask(attn_fn):
