@@ -14,6 +14,7 @@ and every rank still running at the deadline are terminated, then killed, then r
 
 from __future__ import annotations
 
+import ast
 import datetime
 import gc
 import multiprocessing
@@ -22,6 +23,8 @@ import os
 import pickle
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -36,6 +39,8 @@ __all__ = ["spawn", "SpawnError", "RemoteTraceback"]
 _GRACE_S = 1.0
 # Seconds a rank gets to exit after SIGTERM before SIGKILL.
 _TERM_WAIT_S = 2.0
+# How often a worker checks that its caller is still alive.
+_WATCH_S = 0.2
 
 
 class SpawnError(RuntimeError):
@@ -92,6 +97,19 @@ def _send(conn: multiprocessing.connection.Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
+def _watch_caller(caller: int) -> None:
+    """End this worker within a fraction of a second of its caller's death (SIGKILL included),
+    so that no rank outlives the process that spawned it: the caller is gone when this
+    process's parent changes (it is re-parented)."""
+
+    def watch() -> None:
+        while os.getppid() == caller:
+            time.sleep(_WATCH_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pshard-caller-watch", daemon=True).start()
+
+
 def _worker_main(
     rank: int,
     nprocs: int,
@@ -107,6 +125,7 @@ def _worker_main(
     ``("ok", value, health)`` or ``("err", ...)``; ``None`` (or the caller going away) stops it.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and tears down
+    _watch_caller(os.getppid())
     if "OMP_NUM_THREADS" not in os.environ:
         # Every rank shares this machine's cores: one full-width thread pool per rank
         # oversubscribes them, which slows gloo down by an order of magnitude.
@@ -138,6 +157,13 @@ def _worker_main(
                     return
                 fn, args, kwargs = task
                 value = fn(*args, **kwargs)
+            except SystemExit as exc:  # re-raised in the caller it would end the caller quietly
+                error = SpawnError(
+                    f"fn called sys.exit({exc.code!r}) in rank {rank} of {nprocs}; return from "
+                    f"fn instead (a rank that exits leaves its peers waiting in collectives)"
+                )
+                _send(conn, _failure(error))
+                continue
             except BaseException as exc:
                 _send(conn, _failure(exc))
                 continue
@@ -176,6 +202,52 @@ def _check_fn(fn: Any, caller: str) -> None:
             f"{caller}: fn {fn!r} cannot be pickled into the worker processes ({exc}); pass a "
             "function defined at the top level of an importable module"
         ) from exc
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise TypeError(
+            f"{caller}: fn {qualname!r} is defined in `python -c`, an interactive session or a "
+            f"notebook, where the worker processes cannot import it from (they start fresh and "
+            f"import fn by module and name); put fn in a .py file (a module, or the script you "
+            f"run) and import it"
+        )
+
+
+def _check_main_guard(frame: Any, caller: str) -> None:
+    """Refuse a call from a script's top level that is not under ``if __name__ ==
+    "__main__":``: every worker would run the script again, and start workers of its own."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("pshard"):
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_name != "<module>":
+        return
+    if frame.f_globals.get("__name__") != "__main__":
+        return
+    path = frame.f_globals.get("__file__")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            end = getattr(node, "end_lineno", None) or line
+            if node.lineno <= line <= end:
+                return
+    raise RuntimeError(
+        f"{caller} is called at the top level of {path} (line {line}) without "
+        f'`if __name__ == "__main__":`; the worker processes start fresh and import that '
+        f"script, so each would call {caller} again. Put the call under "
+        f'`if __name__ == "__main__":`'
+    )
+
+
+def _is_main_test(test: Any) -> bool:
+    names = {
+        n.value if isinstance(n, ast.Constant) else getattr(n, "id", None)
+        for n in ast.walk(test)
+        if isinstance(n, (ast.Constant, ast.Name))
+    }
+    return "__name__" in names and "__main__" in names
 
 
 def _pickle_task(fn: Callable, args: tuple, kwargs: dict, caller: str) -> bytes:
@@ -498,6 +570,7 @@ def spawn(
             f"{torch.cuda.device_count()} GPUs are visible; use backend='gloo' or fewer ranks"
         )
     _check_fn(fn, "spawn")
+    _check_main_guard(sys._getframe(1), "spawn")
     task = _pickle_task(fn, args, {}, "spawn")
     deadline = time.monotonic() + timeout
     gang = _Gang(nprocs, backend=backend, pg_timeout_s=timeout, caller="spawn")

@@ -190,3 +190,96 @@ def test_unpicklable_fn_or_args_rejected_early():
         ps.spawn(_describe, (x for x in ()), 1.0, nprocs=2)
     assert isinstance(info.value.__cause__, (TypeError, pickle.PicklingError))
     assert multiprocessing.active_children() == children  # nothing was started
+
+
+def _sys_exit_on_rank1():
+    if dist.get_rank() == 1:
+        import sys
+
+        sys.exit(0)
+    return "done"
+
+
+def test_sys_exit_in_a_rank_is_an_error_not_a_silent_success():
+    """sys.exit(0) in one rank used to be re-raised in the caller as SystemExit(0): the caller
+    exited 0 with no output."""
+    t0 = time.monotonic()
+    with pytest.raises(
+        ps.SpawnError, match=re.escape("fn called sys.exit(0) in rank 1 of 2; return from fn")
+    ):
+        ps.spawn(_sys_exit_on_rank1, nprocs=2, timeout=60)
+    assert time.monotonic() - t0 < 30
+
+
+_ORPHAN_CALLER = r"""
+import os, sys, time
+import torch.distributed as dist
+import pshard as ps
+
+def hang(directory):
+    with open(os.path.join(directory, f"{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ps.spawn(hang, sys.argv[1], nprocs=2, timeout=600)
+"""
+
+
+def test_no_rank_outlives_a_killed_caller(tmp_path):
+    """SIGKILL the process that called spawn: every rank ends within seconds (no orphans)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "caller.py"
+    script.write_text(_ORPHAN_CALLER)
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"{r}.pid").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the pid files are written: let the writes finish
+        pids = _pids(tmp_path, 2)
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        t0 = time.monotonic()
+        while not all(_gone(pid) for pid in pids) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert all(_gone(pid) for pid in pids), "ranks outlived their caller"
+        assert time.monotonic() - t0 < 10
+    finally:
+        caller.kill()
+
+
+def test_scripts_without_a_main_guard_and_functions_from_python_c(tmp_path):
+    """The two usual first mistakes say what is wrong and how to fix it (they were raw
+    multiprocessing errors, or every rank dying with exit code 1)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("import pshard as ps\ndef f():\n    return 1\nps.spawn(f, nprocs=2)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert (
+        f"RuntimeError: spawn is called at the top level of {script} (line 4) without "
+        '`if __name__ == "__main__":`'
+    ) in proc.stderr
+    code = "import pshard as ps\ndef f():\n    return 1\nps.spawn(f, nprocs=2)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert (
+        "TypeError: spawn: fn 'f' is defined in `python -c`, an interactive session or a notebook"
+    ) in proc.stderr
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(
+        "import pshard as ps\ndef f():\n    return 1\n"
+        "if __name__ == '__main__':\n    print(ps.spawn(f, nprocs=2))\n"
+    )
+    proc = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "[1, 1]", proc.stderr
