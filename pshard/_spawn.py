@@ -265,7 +265,13 @@ def _exit_text(exitcode: int | None) -> str:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = "an unknown signal"
-        return f"was killed by signal {-exitcode} ({name})"
+        hint = ""
+        if -exitcode == signal.SIGABRT:  # gloo aborts the process on mismatched collectives
+            hint = (
+                " (an abort in the communication library, usually ranks calling different "
+                "collectives or shapes: rerun with PSHARD_DEBUG=1 to have it named)"
+            )
+        return f"was killed by signal {-exitcode} ({name}){hint}"
     return f"exited with code {exitcode}"
 
 

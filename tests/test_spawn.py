@@ -283,3 +283,16 @@ def test_scripts_without_a_main_guard_and_functions_from_python_c(tmp_path):
     proc = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip() == "[1, 1]", proc.stderr
+
+
+def _abort_on_rank1():
+    if dist.get_rank() == 1:
+        os.abort()
+    return 0
+
+
+def test_an_abort_suggests_debug_mode():
+    with pytest.raises(ps.SpawnError) as info:
+        ps.spawn(_abort_on_rank1, nprocs=2, timeout=60)
+    assert "killed by signal 6 (SIGABRT) (an abort in the communication library" in str(info.value)
+    assert "rerun with PSHARD_DEBUG=1" in str(info.value)
