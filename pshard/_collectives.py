@@ -25,6 +25,7 @@ pads uneven shards); debug mode (:func:`pshard.debug`) checks this.
 from __future__ import annotations
 
 import operator
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ from ._checks import check_int, normalize_dim
 from ._comm import Comm as _Comm
 from ._comm import Perm
 from ._comm import comm as _comm
+from ._debug import check_pytree
 from ._mesh import Axis, resolve_axis
 from ._tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
 
@@ -298,13 +300,18 @@ class _Reduce(torch.autograd.Function):
 
 
 def _map_leaves(
-    fn: str, x: Any, f: Callable[[torch.Tensor, Callable[[], str]], torch.Tensor]
+    fn: str, c: _Comm, x: Any, f: Callable[[torch.Tensor, Callable[[], str]], torch.Tensor]
 ) -> Any:
     """Apply ``f(leaf, path)`` to every tensor leaf of ``x``; ``path()`` names the leaf (``x``,
-    ``x['a'][0]``) for error messages. A leaf that is not a tensor is a ``TypeError``."""
+    ``x['a'][0]``) for error messages. A leaf that is not a tensor is a ``TypeError``. In debug
+    mode the ranks first compare the structure of ``x`` (a single tensor is a tree of one)."""
     if isinstance(x, torch.Tensor):
+        if c.debug and c.group is not None:
+            check_pytree(fn, c.group, c.name, 1, 0)
         return f(x, lambda: "x")
     leaves, treedef = tree_flatten(x)
+    if c.debug and c.group is not None:
+        check_pytree(fn, c.group, c.name, len(leaves), zlib.crc32(repr(treedef).encode()))
 
     def path(i: int) -> Callable[[], str]:
         return lambda: keystr(leaf_path(treedef, i), "x")
@@ -350,7 +357,7 @@ def psum(x: T, axis: Axis) -> T:
         {'a': tensor([1., 1.])}
     """
     c = _comm(axis, "psum")
-    return _map_leaves("psum", x, lambda t, _: t if c.group is None else _call(_PSum, t, c))
+    return _map_leaves("psum", c, x, lambda t, _: t if c.group is None else _call(_PSum, t, c))
 
 
 def pmean(x: T, axis: Axis) -> T:
@@ -372,7 +379,7 @@ def pmean(x: T, axis: Axis) -> T:
         # one rank: the identity, but integer inputs still give a float mean
         return t if t.is_floating_point() or t.is_complex() else t / 1
 
-    return _map_leaves("pmean", x, one)
+    return _map_leaves("pmean", c, x, one)
 
 
 def pmax(x: T, axis: Axis) -> T:
@@ -389,7 +396,7 @@ def pmax(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmax")
     return _map_leaves(
-        "pmax", x, lambda t, _: t if c.group is None else _call(_PExtreme, t, c, "pmax")
+        "pmax", c, x, lambda t, _: t if c.group is None else _call(_PExtreme, t, c, "pmax")
     )
 
 
@@ -404,7 +411,7 @@ def pmin(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmin")
     return _map_leaves(
-        "pmin", x, lambda t, _: t if c.group is None else _call(_PExtreme, t, c, "pmin")
+        "pmin", c, x, lambda t, _: t if c.group is None else _call(_PExtreme, t, c, "pmin")
     )
 
 
@@ -430,7 +437,7 @@ def all_gather(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
             return t if tiled else t.unsqueeze(d)
         return _call(_AllGather, t, c, d, bool(tiled))
 
-    return _map_leaves("all_gather", x, one)
+    return _map_leaves("all_gather", c, x, one)
 
 
 def psum_scatter(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
@@ -463,7 +470,7 @@ def psum_scatter(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
             return t if tiled else t.select(d, 0)
         return _call(_PSumScatter, t, c, d, bool(tiled))
 
-    return _map_leaves("psum_scatter", x, one)
+    return _map_leaves("psum_scatter", c, x, one)
 
 
 def all_to_all(x: T, axis: Axis, *, split_dim: int, concat_dim: int) -> T:
@@ -490,7 +497,7 @@ def all_to_all(x: T, axis: Axis, *, split_dim: int, concat_dim: int) -> T:
         _divisible("all_to_all", "split_dim", s, t, path, c.size, c.name)
         return _call(_AllToAll, t, c, s, k)
 
-    return _map_leaves("all_to_all", x, one)
+    return _map_leaves("all_to_all", c, x, one)
 
 
 def _check_perm(perm: Sequence[tuple[int, int]], size: int, name: str) -> Perm:
@@ -537,7 +544,7 @@ def ppermute(x: T, axis: Axis, perm: Sequence[tuple[int, int]]) -> T:
     pairs = _check_perm(perm, c.size, c.name)
     if c.group is None and pairs:
         return x
-    return _map_leaves("ppermute", x, lambda t, _: _call(_PPermute, t, c, pairs))
+    return _map_leaves("ppermute", c, x, lambda t, _: _call(_PPermute, t, c, pairs))
 
 
 def broadcast(x: T, axis: Axis, *, src: int = 0) -> T:
@@ -560,7 +567,7 @@ def broadcast(x: T, axis: Axis, *, src: int = 0) -> T:
             f"0..{c.size - 1}"
         )
     return _map_leaves(
-        "broadcast", x, lambda t, _: t if c.group is None else _call(_Broadcast, t, c, s)
+        "broadcast", c, x, lambda t, _: t if c.group is None else _call(_Broadcast, t, c, s)
     )
 
 

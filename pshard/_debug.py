@@ -6,14 +6,24 @@ context variable, so it is private to each thread and task and is restored on ex
 ``with ps.debug(...)``.
 
 With it on, before each collective the ranks of its group exchange a fixed-size fingerprint
-(operation, axis, shape, dtype and the operation's arguments) with one all-gather of a small
-integer tensor, and a mismatch raises :class:`ValueError` on every rank, naming every rank's
-call, instead of hanging or silently combining unrelated tensors.
+(operation, axis, shape, dtype and the operation's arguments; for a pytree, first its
+structure) and a mismatch raises :class:`ValueError` on every rank, naming every rank's call,
+instead of hanging or silently combining unrelated tensors.
+
+The fingerprints travel through the process group's key-value store, not through a collective
+on the group itself: a rank that skips the collective, calls it with another pytree, or runs
+with debug mode off would otherwise pair the fingerprint exchange with a different collective
+and hang (or abort). Each rank writes its fingerprint under ``(group, sequence number, rank)``
+and waits for the others' for ``PSHARD_DEBUG_TIMEOUT`` seconds (default 60); a rank still
+missing then is named in the error. The sequence numbers are the only state kept outside a
+context variable: one counter per process group in this process, which every rank advances
+in step (debug mode is for finding where they stop being in step).
 """
 
 from __future__ import annotations
 
 import contextvars
+import datetime
 import os
 import zlib
 from types import TracebackType
@@ -21,7 +31,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-__all__ = ["debug", "debug_enabled", "check_collective"]
+__all__ = ["debug", "debug_enabled", "check_collective", "check_pytree", "sequence_state"]
 
 _DEBUG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pshard_debug", default=None)
 
@@ -95,6 +105,7 @@ def debug(enabled: bool = True) -> DebugScope:
 # --- fingerprints -------------------------------------------------------------------------------
 
 _OPS = (
+    "pytree",
     "psum",
     "pmax",
     "pmin",
@@ -156,6 +167,7 @@ def _encode(
 
 
 _PARAM_NAMES = {
+    "pytree": ("leaves", "structure"),
     "all_gather": ("dim", "tiled"),
     "psum_scatter": ("dim", "tiled"),
     "all_to_all": ("split_dim", "concat_dim"),
@@ -169,6 +181,11 @@ def _describe(fp: list[int]) -> str:
     if fp[0] != _MAGIC or not 0 <= fp[1] < len(_OPS):
         return "<not a pshard collective>"
     op = _OPS[fp[1]]
+    label = bytes(c for c in fp[_LABEL0 : _LABEL0 + _LABEL] if c).decode(errors="replace")
+    if op == "pytree":
+        leaves, code = fp[_PARAM0], fp[_PARAM0 + 1]
+        what = "a tensor" if leaves == 1 and code == 0 else f"a pytree of {leaves} leaves"
+        return f"{what} (structure {code:08x}) on axis {label!r}"
     dtype = _DTYPES[fp[2]] if fp[2] < len(_DTYPES) else "other"
     ndim = fp[3]
     dims = fp[_SHAPE0 : _SHAPE0 + min(ndim, _MAX_DIMS)]
@@ -182,6 +199,29 @@ def _describe(fp: list[int]) -> str:
     return f"{op}({', '.join(args)}) on axis {label!r}"
 
 
+# process group name -> fingerprints exchanged so far (see the module docs)
+_SEQUENCE: dict[str, int] = {}
+
+
+def sequence_state() -> tuple[tuple[str, int], ...]:
+    """This process's debug-mode counters (ranks must agree to stay in step)."""
+    return tuple(sorted(_SEQUENCE.items()))
+
+
+def _timeout() -> float:
+    try:
+        return float(os.environ.get("PSHARD_DEBUG_TIMEOUT", "60"))
+    except ValueError:
+        return 60.0
+
+
+def check_pytree(op: str, group: dist.ProcessGroup, label: str, leaves: int, code: int) -> None:
+    """Compare the structure of a pytree argument (its leaf count and a code of its treedef)
+    across the ranks of ``group``, before its leaves are checked one by one."""
+    # the operation is left out: a mismatch of operations is named by the leaves' check
+    _check(op, group, label, _encode("pytree", label, (), torch.int64, (leaves, code & 0x7FFFFFFF)))
+
+
 def check_collective(
     op: str,
     group: dist.ProcessGroup,
@@ -193,18 +233,18 @@ def check_collective(
 
     Raises:
         ValueError: on every rank, when any two ranks disagree on the operation, axis, shape,
-            dtype or arguments; the message lists each rank's call.
+            dtype or arguments (the message lists each rank's call), and on the ranks that
+            reached the collective when another did not within ``PSHARD_DEBUG_TIMEOUT``
+            seconds (naming it).
     """
+    _check(op, group, label, _encode(op, label, tuple(tensor.shape), tensor.dtype, params))
+
+
+def _check(op: str, group: dist.ProcessGroup, label: str, fp: list[int]) -> None:
     size = dist.get_world_size(group)
-    mine = torch.tensor(
-        _encode(op, label, tuple(tensor.shape), tensor.dtype, params),
-        dtype=torch.int64,
-        device=tensor.device,
-    )
-    mine[_GRANK + 1] = dist.get_rank(group)
-    every = torch.empty(size * _LEN, dtype=torch.int64, device=tensor.device)
-    _all_gather_flat(every, mine, group)
-    rows = every.view(size, _LEN).tolist()
+    me = dist.get_rank(group)
+    fp[_GRANK + 1] = me
+    rows = _exchange(op, group, label, fp, size, me)
     keys = [tuple(r[:_GRANK]) for r in rows]
     if all(k == keys[0] for k in keys):
         return
@@ -217,7 +257,6 @@ def check_collective(
         globals_ = ", ".join(str(r[_GRANK]) for r in call_rows)
         noun = "rank" if len(call_rows) == 1 else "ranks"
         lines.append(f"  axis {noun} {ranks} (global {noun} {globals_}): {_describe(call_rows[0])}")
-    me = dist.get_rank(group)
     raise ValueError(
         f"{op} (pshard debug mode): the {size} ranks of axis {label!r} issued different "
         f"collectives (this is axis rank {me}):\n"
@@ -228,6 +267,37 @@ def check_collective(
     )
 
 
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
+def _exchange(
+    op: str, group: dist.ProcessGroup, label: str, fp: list[int], size: int, me: int
+) -> list[list[int]]:
+    """Every rank's fingerprint, through the store (see the module docs)."""
+    store = dist.distributed_c10d._get_default_store()
+    name = getattr(group, "group_name", None) or str(dist.get_process_group_ranks(group))
+    seq = _SEQUENCE.get(name, 0)
+    _SEQUENCE[name] = seq + 1
+    prefix = f"pshard_debug/{name}/{seq}/"
+    keys = [f"{prefix}{r}" for r in range(size)]
+    store.set(keys[me], ",".join(map(str, fp)))
+    timeout = _timeout()
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception:  # the store's timeout error (its type differs between torch versions)
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            raise
+        ranks = [dist.get_global_rank(group, r) for r in missing]
+        noun = "rank" if len(missing) == 1 else "ranks"
+        raise ValueError(
+            f"{op} (pshard debug mode): axis {noun} {', '.join(map(str, missing))} (global "
+            f"{noun} {', '.join(map(str, ranks))}) of axis {label!r} did not reach this "
+            f"collective within {timeout:g} s (this is axis rank {me}): it skipped it, is "
+            f"still computing, or debug mode is off on that rank (turn it on in every rank, "
+            f"PSHARD_DEBUG=1; PSHARD_DEBUG_TIMEOUT sets the wait)"
+        ) from None
+    rows = [[int(v) for v in store.get(key).decode().split(",")] for key in keys]
+    if seq:  # every rank has read the previous round: drop our key of it
+        try:
+            store.delete_key(f"pshard_debug/{name}/{seq - 1}/{me}")
+        except Exception:  # pragma: no cover - stores without deletion keep it
+            pass
+    return rows

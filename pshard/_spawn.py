@@ -71,11 +71,14 @@ def _loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def _health() -> tuple[bool, int]:
+def _health() -> tuple[bool, int, Any]:
     """What a caller needs to know to keep reusing a worker: whether the default group still
-    exists and how many groups were created (ranks must agree, or later collectives mismatch)."""
+    exists, how many groups were created and where debug mode's counters stand (ranks must
+    agree on both, or later collectives, or checks, mismatch)."""
+    from ._debug import sequence_state
+
     world = getattr(dist.distributed_c10d, "_world", None)
-    return dist.is_initialized(), int(getattr(world, "group_count", 0))
+    return dist.is_initialized(), int(getattr(world, "group_count", 0)), sequence_state()
 
 
 def _failure(exc: BaseException, note: str | None = None) -> tuple:

@@ -129,3 +129,48 @@ def test_env_switch_mismatch_errors_within_seconds(pool) -> None:
     with pytest.raises(ValueError, match=re.escape(text)):
         pool.run(2, _env_mismatch_worker, timeout=60.0)
     assert time.monotonic() - start < 10.0
+
+
+def _robustness_worker(case: str) -> str:
+    os.environ["PSHARD_DEBUG_TIMEOUT"] = "3"
+    try:
+        ps.init_mesh({"x": 2})
+        r = dist.get_rank()
+        x = torch.ones(2)
+        if case == "structure":
+            with ps.debug(True):
+                ps.psum([x, x] if r == 0 else [x, x, x], "x")
+        elif case == "skipped":
+            with ps.debug(True):
+                if r == 0:
+                    ps.psum(x, "x")
+        elif case == "partial":
+            with ps.debug(r == 0):
+                ps.psum(x, "x")
+        return "no error"
+    finally:
+        del os.environ["PSHARD_DEBUG_TIMEOUT"]
+
+
+@pytest.mark.parametrize("case", ["structure", "skipped", "partial"])
+def test_debug_mode_catches_what_would_hang(pool, case: str) -> None:
+    """Pytrees of different structure, a rank that skips a collective, and debug mode on in
+    only some ranks are errors naming the ranks within seconds, not hangs."""
+    pool.run(2, _noop)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        pool.run(2, _robustness_worker, case, timeout=60.0)
+    assert time.monotonic() - start < 15.0
+    text = str(info.value)
+    if case == "structure":
+        assert text.startswith(
+            "psum (pshard debug mode): the 2 ranks of axis 'x' issued different collectives"
+        )
+        assert "): a pytree of 2 leaves (structure " in text
+        assert "): a pytree of 3 leaves (structure " in text
+    else:
+        assert text.startswith(
+            "psum (pshard debug mode): axis rank 1 (global rank 1) of axis 'x' did not reach "
+            "this collective within 3 s (this is axis rank 0)"
+        ), text
+        assert "debug mode is off on that rank" in text
