@@ -62,11 +62,10 @@ from collections.abc import Set as AbstractSet
 from typing import Annotated, Any
 
 import torch
-from optree import PyTreeKind, PyTreeSpec
 
+from ._checks import fn_name
 from ._placements import P, Placement, Replicate, from_torch_placement
-from ._specs import _is_torch_placement
-from ._specs import _keys as spec_keys
+from ._specs import _is_torch_placement, rebuild_spec_tree
 from ._tree import describe, tree_flatten, tree_leaves
 
 __all__ = ["check_out_annotation", "default_in_specs", "default_out_specs", "specs_of"]
@@ -321,24 +320,7 @@ def _value_specs(x: Any, fresh: bool) -> tuple[Any, bool]:
     for i in found:
         specs[i], sub = _dataclass_specs(leaves[i], fresh)
         annotated = annotated or sub
-    return _rebuild(treedef, iter(specs)), annotated
-
-
-def _rebuild(treedef: PyTreeSpec, leaves: Any) -> Any:
-    """A spec tree of the value's structure: its own node types, except that keyed nodes
-    pshard registers (Mappings, dataclasses) become plain dicts, which the spec matcher pairs
-    with them by key."""
-    kind = treedef.kind
-    if kind == PyTreeKind.LEAF:
-        return next(leaves)
-    if kind == PyTreeKind.NONE:
-        return None
-    children = [_rebuild(child, leaves) for child in treedef.children()]
-    if kind == PyTreeKind.CUSTOM:
-        keys = spec_keys(treedef)
-        if keys is not None:
-            return dict(zip(keys, children, strict=True))
-    return treedef.one_level().unflatten(children)
+    return rebuild_spec_tree(treedef, iter(specs), keyed_as_dict=True), annotated
 
 
 def _dataclass_specs(x: Any, fresh: bool) -> tuple[Any, bool]:
@@ -413,12 +395,6 @@ def specs_of(tree: Any) -> Any:
 # --------------------------------------------------------------------------- functions
 
 
-def _fn_name(fn: Any) -> str:
-    if isinstance(fn, functools.partial):
-        return f"partial({_fn_name(fn.func)})"
-    return getattr(fn, "__name__", None) or type(fn).__name__
-
-
 _FIX_OUT = (
     "; pass out_specs=... (a prefix tree of the output) or annotate the return, e.g. "
     "-> Annotated[torch.Tensor, ps.Replicate()]"
@@ -443,7 +419,7 @@ class _FnInfo:
     )
 
     def __init__(self, fn: Callable[..., Any]) -> None:
-        self.name = _fn_name(fn)
+        self.name = fn_name(fn)
         self.positional: tuple[Any, ...] = ()
         self.positional_names: tuple[str, ...] = ()
         self.var_positional: Any = _NO_SPEC

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import collections
 import enum
-import functools
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -31,9 +30,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._batch_kinds import CONST, MIXED, Kind, Rules, describe_kind, join, output_kinds
+from ._checks import fn_name
 from ._placements import Partial, Placement, Replicate, Shard
-from ._specs import _keys as spec_keys
-from ._specs import resolve_specs
+from ._specs import default_spec, rebuild_spec_tree, resolve_specs
 from ._tree import (
     NAMESPACE,
     article,
@@ -75,27 +74,12 @@ _SCALAR_TYPES = (
 
 
 def _spec_tree(treedef: optree.PyTreeSpec, specs: Sequence[Any]) -> Any:
-    """The spec tree of ``specs`` in the output's structure.
-
-    Each container is rebuilt as its own type; one whose constructor cannot take specs in
-    place of its values (a ``__post_init__`` that reads a tensor's shape) becomes a plain
-    ``dict`` of its keys (or a ``tuple``), which matches it as a spec tree prefix.
-    """
+    """The spec tree of ``specs`` in the output's structure (each container rebuilt as its own
+    type where its constructor takes placements, see :func:`rebuild_spec_tree`)."""
     try:
         return tree_unflatten(treedef, specs)
     except Exception:  # a constructor choked on a placement: rebuild node by node
-        return _rebuild(treedef, iter(specs))
-
-
-def _rebuild(treedef: optree.PyTreeSpec, specs: Iterator[Any]) -> Any:
-    if treedef.kind == optree.PyTreeKind.LEAF:
-        return next(specs)
-    children = [_rebuild(child, specs) for child in treedef.children()]
-    try:
-        return treedef.one_level().unflatten(children)
-    except Exception:
-        keys = spec_keys(treedef)
-        return dict(zip(keys, children, strict=True)) if keys is not None else tuple(children)
+        return rebuild_spec_tree(treedef, iter(specs), keyed_as_dict=False)
 
 
 def _flatten(tree: Any, root: str) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
@@ -108,20 +92,8 @@ def _flatten(tree: Any, root: str) -> tuple[list[str], list[Any], optree.PyTreeS
 # Input specs.
 
 
-def _fn_name(fn: Any) -> str:
-    if isinstance(fn, functools.partial):
-        return f"partial({_fn_name(fn.func)})"
-    return getattr(fn, "__name__", None) or type(fn).__name__
-
-
 def _shape_str(shape: Sequence[Any]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _default_spec(leaf: Any) -> Placement:
-    if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-        return Shard(0)
-    return Replicate()
 
 
 def _resolve_in_specs(
@@ -134,7 +106,7 @@ def _resolve_in_specs(
     for value, spec_tree, root in ((args, in_specs, "in_specs"), (kwargs, kw_specs, "kw_specs")):
         paths, value_leaves, value_treedef = tree_flatten_with_path(value)
         if spec_tree is None:
-            specs += [_default_spec(leaf) for leaf in value_leaves]
+            specs += [default_spec(leaf) for leaf in value_leaves]
         else:
             if root == "in_specs" and isinstance(spec_tree, list):
                 spec_tree = tuple(spec_tree)
@@ -680,7 +652,7 @@ def _out_specs_from_leaf_specs(
     The result is cached per ``fn`` and input signature (treedef, shapes without the batch size,
     dtypes, devices, requires_grad, split dims, non-tensor values); errors are not cached.
     """
-    where = f"{api}({_fn_name(fn)})"
+    where = f"{api}({fn_name(fn)})"
     if leaf_names is None:
         leaf_names = [f"input leaf {i}" for i in range(len(leaves))]
     if not (len(leaves) == len(leaf_specs) == len(leaf_names) == treedef.num_leaves):
@@ -796,7 +768,7 @@ def infer_out_specs(
         (Partial('mean'), Shard(0), Replicate(), Partial('max'), Partial('sum'))
     """
     api = "infer_out_specs"
-    where = f"{api}({_fn_name(fn)})"
+    where = f"{api}({fn_name(fn)})"
     if not callable(fn):
         raise TypeError(f"{api}: fn must be callable, got {fn!r} ({type(fn).__name__})")
     treedef, leaves, specs, names = _resolve_in_specs(where, args, kwargs, in_specs, kw_specs)

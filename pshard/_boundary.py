@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._checks import WIRE_DTYPES
 from ._comm import Comm, all_gather, all_reduce
 from ._layout import _runs
 from ._placements import Placement
@@ -48,10 +49,6 @@ from ._placements import Placement
 __all__ = ["BlockLayout", "ToBlock", "FromBlocks", "PartialExtreme", "check_replicated"]
 
 _SHAPE_WIDTH = 16  # fixed width of the shape exchange, so ranks disagreeing on ndim are caught
-_DTYPES = (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128,
-    torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +281,7 @@ def check_replicated(x: torch.Tensor, c: Comm, message: str) -> None:
     rows = all_gather(head, c, 0, False).tolist()
     kinds = [(r[0], tuple(r[3 : 3 + r[2]])) for r in rows]
     if len(set(kinds)) > 1:
-        dtypes = {zlib.crc32(str(t).encode()): str(t).removeprefix("torch.") for t in _DTYPES}
+        dtypes = {zlib.crc32(str(t).encode()): str(t).removeprefix("torch.") for t in WIRE_DTYPES}
         held = ", ".join(
             f"global rank {dist.get_global_rank(c.group, r)}: {shape} "
             f"{dtypes.get(code, 'another dtype')}"

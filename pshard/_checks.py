@@ -1,13 +1,22 @@
-"""Argument checks shared by every module: ints and tensor dims, with errors naming the function
-and the argument."""
+"""Argument checks shared by every module: ints, tensor dims and mesh-axis names, with errors
+naming the function and the argument; and how a function is named in messages."""
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+# The dtypes pshard's wire formats (debug fingerprints, batch descriptors, shape checks) encode
+# by their index here: one table, so every rank and every format agrees. Append only.
+WIRE_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+)  # fmt: skip
 
 
 def check_int(fn: str, name: str, value: Any, *, minimum: int | None = None) -> int:
@@ -42,3 +51,37 @@ def normalize_dim(
             f"(shape {tuple(x.shape)}); use {name} in [{-n}, {n - 1}]"
         )
     return d % n
+
+
+# transforms whose axis is named (a ProcessGroup is not accepted there)
+_NAME_ONLY = ("shard_map_seq", "sequence_parallel")
+
+
+def fn_name(fn: Any) -> str:
+    """How a function is named in messages (``loss``, ``partial(loss)``, a class name)."""
+    if isinstance(fn, functools.partial):
+        return f"partial({fn_name(fn.func)})"
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def axis_names(
+    value: Any, fn: str, *, arg: str = "axis", collection: bool = False
+) -> tuple[str, ...]:
+    """``value`` (a mesh-axis name, or a tuple of names; any collection of names with
+    ``collection``) as a non-empty tuple of names, else a ``TypeError`` naming ``fn`` and
+    ``arg``."""
+    if isinstance(value, str):
+        names: Any = (value,)
+    elif isinstance(value, (tuple, list)) or (collection and isinstance(value, (set, frozenset))):
+        names = tuple(value)
+    else:
+        names = ()
+    if not names or not all(isinstance(n, str) for n in names):
+        if collection:
+            options = "a mesh-axis name or a collection of names"
+        elif arg == "axis" and fn not in _NAME_ONLY:
+            options = "a mesh-axis name, a tuple of names or a ProcessGroup"
+        else:
+            options = "a mesh-axis name or a tuple of names"
+        raise TypeError(f"{fn}: {arg} must be {options}, got {value!r}")
+    return names

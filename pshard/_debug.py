@@ -31,6 +31,8 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
+from ._checks import WIRE_DTYPES
+
 __all__ = ["debug", "debug_enabled", "check_collective", "check_pytree", "sequence_state"]
 
 _DEBUG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pshard_debug", default=None)
@@ -116,20 +118,6 @@ _OPS = (
     "broadcast",
     "reduce",
 )
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.complex64,
-    torch.complex128,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
 _MAGIC = 0x7073
 _MAX_DIMS = 16
 _NPARAMS = 6
@@ -153,7 +141,7 @@ def _encode(
     fp = [0] * _LEN
     fp[0] = _MAGIC
     fp[1] = _OPS.index(op)
-    fp[2] = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    fp[2] = WIRE_DTYPES.index(dtype) if dtype in WIRE_DTYPES else len(WIRE_DTYPES)
     fp[3] = len(shape)
     dims = list(shape[:_MAX_DIMS]) + [-1] * max(0, _MAX_DIMS - len(shape))
     if len(shape) > _MAX_DIMS:  # keep the tail comparable without widening the record
@@ -186,7 +174,7 @@ def _describe(fp: list[int]) -> str:
         leaves, code = fp[_PARAM0], fp[_PARAM0 + 1]
         what = "a tensor" if leaves == 1 and code == 0 else f"a pytree of {leaves} leaves"
         return f"{what} (structure {code:08x}) on axis {label!r}"
-    dtype = _DTYPES[fp[2]] if fp[2] < len(_DTYPES) else "other"
+    dtype = WIRE_DTYPES[fp[2]] if fp[2] < len(WIRE_DTYPES) else "other"
     ndim = fp[3]
     dims = fp[_SHAPE0 : _SHAPE0 + min(ndim, _MAX_DIMS)]
     shape = "(" + ", ".join(map(str, dims)) + ("," if ndim == 1 else "")

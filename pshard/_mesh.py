@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._checks import axis_names
+
 __all__ = ["init_mesh", "use_mesh", "current_mesh", "AxisInfo", "resolve_axis"]
 
 _CURRENT_MESH: contextvars.ContextVar[DeviceMesh | None] = contextvars.ContextVar(
@@ -199,17 +201,6 @@ class AxisInfo(NamedTuple):
     order: tuple[int, ...] | None = None
 
 
-def _axis_names(axis: str | tuple[str, ...], fn: str) -> tuple[str, ...]:
-    names = (
-        (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else ()
-    )
-    if not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"{fn}: expected a mesh-axis name, a tuple of names or a ProcessGroup, got {axis!r}"
-        )
-    return names
-
-
 def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshard") -> AxisInfo:
     """Resolve ``axis`` (a mesh-axis name, a tuple of names, or a ProcessGroup) to its group,
     size and this rank's index. A tuple of names is their product, major to minor in the order
@@ -237,7 +228,7 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
     )
     if key is not None and key in cache:
         return cache[key]
-    info = _resolve_names(_axis_names(axis, fn), mesh, axis, fn)
+    info = _resolve_names(axis_names(axis, fn), mesh, axis, fn)
     if key is not None:
         cache[key] = info
     return info

@@ -18,11 +18,11 @@ import torch
 
 from ._annotations import default_in_specs, default_out_specs
 from ._batch_dim import _out_specs_from_leaf_specs
-from ._checks import check_int
+from ._checks import check_int, fn_name
 from ._debug import debug_enabled
 from ._placements import Partial, Replicate, Shard
 from ._reduce import ReduceError, make_reducer, weight_value
-from ._specs import check_specs, resolve_specs
+from ._specs import check_specs, default_spec, resolve_specs
 from ._split_merge import flatten_like, plan_split, resolve_quick, split_columns
 from ._tree import NAMESPACE, is_block_mask, keystr, tree_flatten
 
@@ -32,20 +32,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _IN_SPECS = (Shard, Replicate)
 _OUT_SPECS = (Shard, Replicate, Partial)
-_SHARD0 = Shard(0)
-_REPLICATE = Replicate()
-
-
-def _fn_name(fn: Any) -> str:
-    if isinstance(fn, functools.partial):
-        return f"partial({_fn_name(fn.func)})"
-    return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _default_spec(leaf: Any) -> Shard | Replicate:
-    if isinstance(leaf, torch.Tensor):
-        return _SHARD0 if leaf.ndim >= 1 else _REPLICATE
-    return _SHARD0 if is_block_mask(leaf) else _REPLICATE
 
 
 class _Names:
@@ -78,7 +64,7 @@ def _infer_out_specs(
     for i, (leaf, spec) in enumerate(zip(leaves, specs, strict=True)):
         if type(spec) is Shard and is_block_mask(leaf):
             raise ValueError(
-                f"pmap_microbatch({_fn_name(fn)}) {name_of(i)}: out_specs='infer' cannot trace "
+                f"pmap_microbatch({fn_name(fn)}) {name_of(i)}: out_specs='infer' cannot trace "
                 "a function through a BlockMask it splits (flex attention does not run on fake "
                 "tensors); pass out_specs explicitly, e.g. out_specs=ps.Shard(0)"
             )
@@ -273,12 +259,12 @@ def _wrap(fn: F, *, config: _Config) -> F:
 
 def _resolve_in(specs: Any, leaves: list[Any], treedef: Any, name: str, where: str) -> list[Any]:
     if specs is None:
-        return [_default_spec(leaf) for leaf in leaves]
+        return [default_spec(leaf) for leaf in leaves]
     return resolve_quick(specs, leaves, treedef, name=name, fn_name=where, allowed=_IN_SPECS)
 
 
 def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> Any:
-    where = f"pmap_microbatch({_fn_name(fn)})"
+    where = f"pmap_microbatch({fn_name(fn)})"
     in_specs, kw_specs = config.in_specs, config.kw_specs
     if in_specs is None or (kw_specs is None and kwargs):
         annotated = default_in_specs(fn, args, kwargs, transform="pmap_microbatch")
@@ -386,7 +372,7 @@ def _call_weight_fn(weight_fn: Callable[..., Any], args: tuple, kwargs: dict, wh
         raise TypeError(
             f"{where}: weight_fn is called like fn, with each microbatch's arguments "
             f"({len(args)} positional{', ' + ', '.join(kwargs) if kwargs else ''}), but "
-            f"{_fn_name(weight_fn)}{_signature_text(weight_fn)} cannot take them ({error}); "
+            f"{fn_name(weight_fn)}{_signature_text(weight_fn)} cannot take them ({error}); "
             f"give weight_fn fn's parameters, e.g. lambda *args, **kwargs: ..."
         ) from None
     except ValueError:  # no signature to check (a builtin): just call it

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._annotations import check_out_annotation, default_in_specs, default_out_specs
 from ._boundary import BlockLayout, FromBlocks, PartialExtreme, ToBlock
+from ._checks import axis_names as checked_axis_names
 from ._comm import Comm
 from ._debug import debug_enabled
 from ._mesh import current_mesh, resolve_axis, use_mesh
@@ -176,22 +177,6 @@ def _tensor(x: Any, spec: Placement | P) -> bool:
     return isinstance(x, torch.Tensor) or isinstance(spec, Partial)
 
 
-def _axis_names(axis_names: Any) -> tuple[str, ...] | None:
-    if axis_names is None:
-        return None
-    names = (axis_names,) if isinstance(axis_names, str) else axis_names
-    try:
-        names = tuple(names)
-    except TypeError:
-        names = None
-    if names is None or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"{_FN}: axis_names must be a mesh-axis name or a collection of names, got "
-            f"{axis_names!r}"
-        )
-    return names
-
-
 @overload
 def shard_map(
     fn: None = None,
@@ -313,7 +298,11 @@ def shard_map(
         ...     torch.ones(3))
         tensor([2., 2., 2.])
     """
-    names = _axis_names(axis_names)
+    names = (
+        None
+        if axis_names is None
+        else checked_axis_names(axis_names, _FN, arg="axis_names", collection=True)
+    )
     if fn is None:
         return functools.partial(
             shard_map,

@@ -280,6 +280,40 @@ def broadcast_prefix_flat(
     return list(operator.itemgetter(*index)(spec_leaves))
 
 
+def default_spec(leaf: Any) -> Placement:
+    """``pmap_microbatch``'s default spec of a leaf: ``Shard(0)`` for a tensor with a dim and
+    for a flex-attention ``BlockMask`` (split on its batch dim), ``Replicate()`` otherwise."""
+    if isinstance(leaf, torch.Tensor):
+        return _SHARD0 if leaf.dim() >= 1 else _REPLICATE
+    return _SHARD0 if is_block_mask(leaf) else _REPLICATE
+
+
+def rebuild_spec_tree(treedef: PyTreeSpec, specs: Any, *, keyed_as_dict: bool) -> Any:
+    """A spec tree with the structure ``treedef`` and the leaves of the iterator ``specs``.
+
+    Containers are rebuilt as their own types, except keyed nodes pshard registers (Mappings,
+    dataclasses): as plain dicts of their keys with ``keyed_as_dict``, else only when their
+    own constructor refuses placements in place of their values (a ``__post_init__`` that
+    reads a tensor's shape). Either way the result matches the value as a spec-tree prefix."""
+    kind = treedef.kind
+    if kind == PyTreeKind.LEAF:
+        return next(specs)
+    children = [
+        rebuild_spec_tree(c, specs, keyed_as_dict=keyed_as_dict) for c in treedef.children()
+    ]
+    keys = _keys(treedef) if kind == PyTreeKind.CUSTOM else None
+    if keys is not None and keyed_as_dict:
+        return dict(zip(keys, children, strict=True))
+    try:
+        return treedef.one_level().unflatten(children)
+    except Exception:  # a constructor choked on a placement
+        return dict(zip(keys, children, strict=True)) if keys is not None else tuple(children)
+
+
+_SHARD0 = Shard(0)
+_REPLICATE = Replicate()
+
+
 def _is_torch_placement(x: Any) -> bool:
     """A ``torch.distributed.tensor`` placement (``Shard(0)`` from DTensor)."""
     module = type(x).__module__

@@ -140,8 +140,8 @@ def test_resolve_axis_single_process_and_errors():
             with pytest.raises(
                 TypeError,
                 match=re.escape(
-                    "all_gather: expected a mesh-axis name, a tuple of names or a ProcessGroup, "
-                    f"got {bad!r}"
+                    "all_gather: axis must be a mesh-axis name, a tuple of names or a "
+                    f"ProcessGroup, got {bad!r}"
                 ),
             ):
                 resolve_axis(bad, fn="all_gather")

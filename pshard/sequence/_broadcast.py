@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .._checks import WIRE_DTYPES
 from .._mesh import Axis, resolve_axis
 from .._tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
 
@@ -33,25 +34,6 @@ __all__ = ["broadcast_batches"]
 
 T = TypeVar("T")
 
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-)
 _DEVICE_TYPES = ("cpu", "cuda")
 _ALIGN = 16
 _NOT_TENSOR = -1
@@ -66,14 +48,14 @@ def _describe_leaves(leaves: list[Any], treedef: Any, fn: str) -> list[int]:
     out = [_digest(str(treedef)), len(leaves)]
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            if leaf.dtype not in _DTYPES:
+            if leaf.dtype not in WIRE_DTYPES:
                 raise TypeError(
                     f"{fn}: {keystr(leaf_path(treedef, i), 'batch')} has dtype {leaf.dtype}, "
                     f"which broadcast_batches cannot send; convert it"
                 )
             kind = leaf.device.type
             code = _DEVICE_TYPES.index(kind) if kind in _DEVICE_TYPES else len(_DEVICE_TYPES)
-            out += [_DTYPES.index(leaf.dtype), code, leaf.dim(), *leaf.shape]
+            out += [WIRE_DTYPES.index(leaf.dtype), code, leaf.dim(), *leaf.shape]
         else:
             out += [_NOT_TENSOR, _digest(repr(leaf))]
     return out
@@ -104,7 +86,7 @@ def _parse(desc: list[int]) -> list[tuple[torch.dtype, int, tuple[int, ...]] | i
             i += 2
         else:
             ndim = desc[i + 2]
-            out.append((_DTYPES[desc[i]], desc[i + 1], tuple(desc[i + 3 : i + 3 + ndim])))
+            out.append((WIRE_DTYPES[desc[i]], desc[i + 1], tuple(desc[i + 3 : i + 3 + ndim])))
             i += 3 + ndim
     return out
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._checks import axis_names
 from .._collectives import all_gather
 from .._comm import all_reduce, comm
 from .._mesh import Axis, current_mesh, resolve_axis, use_mesh
@@ -85,11 +86,7 @@ class SequenceParallel:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{_FN}: model must be an nn.Module, got {describe(model)}")
-        names = normalize_axis(axis)
-        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
-            raise TypeError(
-                f"{_FN}: axis must be a mesh-axis name or a tuple of names, got {axis!r}"
-            )
+        names = axis_names(axis, _FN)
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"{_FN}: mesh must be a DeviceMesh, got {describe(mesh)}")
         self._name = type(model).__name__

@@ -22,6 +22,7 @@ from typing import Any, TypeVar, overload
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._annotations import check_out_annotation, default_in_specs, default_out_specs
+from .._checks import axis_names
 from .._mesh import current_mesh, resolve_axis
 from .._placements import P, Partial, Replicate, Shard, StridedShard
 from .._shard_map import shard_map
@@ -42,15 +43,6 @@ __all__ = ["shard_map_seq"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _FN = "shard_map_seq"
-
-
-def _axis_names(axis: Any) -> tuple[str, ...]:
-    names = normalize_axis(axis)
-    if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"{_FN}: axis must be a mesh-axis name or a tuple of names, got {describe(axis)}"
-        )
-    return names
 
 
 def _check_spec(spec: Any, where: str, outputs: bool) -> None:
@@ -187,7 +179,7 @@ def shard_map_seq(
         >>> double(torch.arange(5.0).view(1, 5))
         tensor([[0., 2., 4., 6., 8.]])
     """
-    names = _axis_names(axis)
+    names = axis_names(axis, _FN)
     check_layout(layout, _FN)
     if fn is None:
         return functools.partial(
