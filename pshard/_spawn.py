@@ -41,6 +41,10 @@ _GRACE_S = 1.0
 _TERM_WAIT_S = 2.0
 # How often a worker checks that its caller is still alive.
 _WATCH_S = 0.2
+# Once a rank has returned, how often the others are asked where they are, and how long one
+# may wait in the same collective before that is an error (its peer has returned).
+_PROBE_S = 1.0
+_STUCK_S = 3.0
 
 
 class SpawnError(RuntimeError):
@@ -100,17 +104,53 @@ def _send(conn: multiprocessing.connection.Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
-def _watch_caller(caller: int) -> None:
+def _watch_caller(caller: int, control: Any) -> None:
     """End this worker within a fraction of a second of its caller's death (SIGKILL included),
     so that no rank outlives the process that spawned it: the caller is gone when this
-    process's parent changes (it is re-parented)."""
+    process's parent changes (it is re-parented). The same thread answers the caller's
+    ``"where"``: what the main thread is doing (see :func:`_where`)."""
+    main = threading.main_thread().ident
 
     def watch() -> None:
         while os.getppid() == caller:
-            time.sleep(_WATCH_S)
+            try:
+                if control.poll(_WATCH_S) and control.recv() == "where":
+                    control.send(_where(main))
+            except (EOFError, OSError):
+                time.sleep(_WATCH_S)
         os._exit(1)
 
     threading.Thread(target=watch, name="pshard-caller-watch", daemon=True).start()
+
+
+# frames of these files mean "waiting in a collective" (a torch.distributed call, or pshard's
+# raw communication and debug checks)
+_COLLECTIVE_FILES = (
+    os.path.join("torch", "distributed", "distributed_c10d.py"),
+    os.path.join("pshard", "_comm.py"),
+    os.path.join("pshard", "_debug.py"),
+)
+
+
+def _where(thread: int | None) -> tuple[bool, str]:
+    """Whether ``thread`` is inside a collective, and where: the collective's function and the
+    innermost frame of the program around it."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    stack = traceback.extract_stack(frame) if frame is not None else []
+    inside = [f for f in stack if f.filename.endswith(_COLLECTIVE_FILES)]
+    if not inside:
+        return False, ""
+    first = stack.index(inside[0])
+
+    def library(f: traceback.FrameSummary) -> bool:
+        parts = f.filename.split(os.sep)
+        return "torch" in parts or "pshard" in parts[-2:-1]
+
+    caller = next((f for f in reversed(stack[:first]) if not library(f)), inside[0])
+    return True, (
+        f"{inside[-1].name} in {os.path.basename(inside[-1].filename)}, called from "
+        f"{caller.name} ({caller.filename}:{caller.lineno})"
+    )
 
 
 def _worker_main(
@@ -120,6 +160,7 @@ def _worker_main(
     port: int,
     conn: multiprocessing.connection.Connection,
     pg_timeout_s: float,
+    control: multiprocessing.connection.Connection | None = None,
 ) -> None:
     """Body of one worker: join the process group, then run calls until told to stop.
 
@@ -128,7 +169,7 @@ def _worker_main(
     ``("ok", value, health)`` or ``("err", ...)``; ``None`` (or the caller going away) stops it.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and tears down
-    _watch_caller(os.getppid())
+    _watch_caller(os.getppid(), control)
     if "OMP_NUM_THREADS" not in os.environ:
         # Every rank shares this machine's cores: one full-width thread pool per rank
         # oversubscribes them, which slows gloo down by an order of magnitude.
@@ -303,6 +344,7 @@ class _Gang:
         self.healthy = True
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
+        self._controls: list[multiprocessing.connection.Connection] = []
         self._pids: list[int | None] = [None] * nprocs
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -325,14 +367,17 @@ class _Gang:
         try:
             for rank in range(nprocs):
                 ours, theirs = ctx.Pipe(duplex=True)
+                control, their_control = ctx.Pipe(duplex=True)
                 self._conns.append(ours)
+                self._controls.append(control)
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(rank, nprocs, backend, port, theirs, pg_timeout_s),
+                    args=(rank, nprocs, backend, port, theirs, pg_timeout_s, their_control),
                     name=f"pshard-rank{rank}",
                 )
                 proc.start()
                 theirs.close()
+                their_control.close()
                 self._procs.append(proc)
                 self._pids[rank] = proc.pid
         except BaseException:
@@ -372,11 +417,21 @@ class _Gang:
         pending = set(range(n))
         first: tuple[bool, int] | None = None  # the failure to report: (is a death, rank)
         failed_at = 0.0
+        returned_at: float | None = None  # when a rank first returned while others ran on
+        stuck: dict[int, tuple[str, float]] = {}  # rank -> (where it waits, since when)
         self.healthy = False  # until every rank has answered (an interrupt leaves it so)
         while pending:
             limit = deadline if first is None else min(deadline, failed_at + _GRACE_S)
+            if first is None and returned_at is not None and expected == "ok":
+                limit = min(limit, time.monotonic() + _PROBE_S)
+                waiting = self._waiting(pending, stuck)
+                if waiting is not None:
+                    self.kill()
+                    raise self._early_return(sorted(values), waiting)
             remaining = limit - time.monotonic()
             if remaining <= 0:
+                if first is None and returned_at is not None and time.monotonic() < deadline:
+                    continue
                 break
             waitables: dict[Any, int] = {}
             for r in pending:
@@ -401,6 +456,8 @@ class _Gang:
                     healths.add(message[2])
                     if expected == "ready":
                         self._pids[r] = message[1]
+                    elif returned_at is None:
+                        returned_at = time.monotonic()
             if failures and first is None:
                 failed_at = time.monotonic()
             if failures and (first is None or not first[0]):
@@ -419,6 +476,39 @@ class _Gang:
                 f"{self.caller}: {_ranks_text(pending)} of {n} {late}; all ranks were terminated"
             )
         raise self._error(first, errors, died, sorted(pending))
+
+    def _waiting(
+        self, pending: set[int], stuck: dict[int, tuple[str, float]]
+    ) -> tuple[int, str] | None:
+        """A pending rank that has been waiting in the same collective for ``_STUCK_S`` while
+        another rank has returned: ``(rank, where)``; else ``None``. (It waits for a rank
+        that will never call that collective.)"""
+        now = time.monotonic()
+        for r in sorted(pending):
+            try:
+                self._controls[r].send("where")
+                inside, where = (
+                    self._controls[r].recv() if self._controls[r].poll(1.0) else (False, "")
+                )
+            except (EOFError, OSError):
+                inside, where = False, ""
+            if not inside:
+                stuck.pop(r, None)
+                continue
+            if r not in stuck or stuck[r][0] != where:
+                stuck[r] = (where, now)
+            elif now - stuck[r][1] >= _STUCK_S:
+                return r, where
+        return None
+
+    def _early_return(self, returned: list[int], waiting: tuple[int, str]) -> SpawnError:
+        rank, where = waiting
+        return SpawnError(
+            f"{self.caller}: {_ranks_text(returned)} of {self.nprocs} returned while rank {rank} "
+            f"is still waiting in a collective ({where}) for more than {_STUCK_S:g} s: every "
+            f"rank must call the same collectives, and the returning rank never called this "
+            f"one; all ranks were terminated"
+        )
 
     def _receive(self, rank: int, ready: Any) -> tuple | None:
         """The message from ``rank`` (``ready``: its connection or its sentinel), or ``None``
@@ -514,9 +604,9 @@ class _Gang:
         for proc in self._procs:
             proc.join()
             proc.close()
-        for conn in self._conns:
+        for conn in self._conns + self._controls:
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._controls = [], [], []
         self._store = None
 
 
@@ -547,8 +637,15 @@ def spawn(
     ``__cause__`` and a note naming the rank and what happened to the others, or as
     :class:`SpawnError` when it cannot be re-created; ranks still running 1 s after a failure
     (typically blocked in a collective) are torn down; when ``timeout`` seconds pass first,
-    ``TimeoutError`` names the ranks still running. In every case all ranks are terminated (then
-    killed) and reaped before ``spawn`` raises: none is left running.
+    ``TimeoutError`` names the ranks still running. A rank that returns while another waits in
+    a collective (one the returning rank never called) is a :class:`SpawnError` within seconds
+    naming the collective and the line that called it (the waiting ranks' main threads are
+    inspected once a rank has returned; computing ranks are left to finish), and ``sys.exit``
+    inside ``fn`` is a :class:`SpawnError` too, never a silent success. In every case all ranks
+    are terminated (then killed) and reaped before ``spawn`` raises: none is left running, and
+    if the calling process dies (SIGKILL included) every rank ends within a second. A call from
+    a script's top level without ``if __name__ == "__main__":``, and ``fn`` defined in
+    ``python -c`` or a notebook, are errors saying so.
 
     Args:
         fn: module-level function run on every rank; it can use ``torch.distributed``

@@ -296,3 +296,30 @@ def test_an_abort_suggests_debug_mode():
         ps.spawn(_abort_on_rank1, nprocs=2, timeout=60)
     assert "killed by signal 6 (SIGABRT) (an abort in the communication library" in str(info.value)
     assert "rerun with PSHARD_DEBUG=1" in str(info.value)
+
+
+def _return_early_on_rank1():
+    if dist.get_rank() == 1:
+        return "left"
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank that already returned
+    return "done"
+
+
+def _uneven_work():
+    if dist.get_rank() == 1:
+        time.sleep(8)  # computing, not waiting in a collective: not an error
+    return dist.get_rank()
+
+
+def test_a_rank_returning_while_a_peer_waits_is_an_error_within_seconds():
+    t0 = time.monotonic()
+    with pytest.raises(ps.SpawnError) as info:
+        ps.spawn(_return_early_on_rank1, nprocs=2, timeout=120)
+    assert time.monotonic() - t0 < 30
+    text = str(info.value)
+    assert text.startswith(
+        "spawn: rank 1 of 2 returned while rank 0 is still waiting in a collective"
+    ), text
+    assert "all_reduce" in text and "_return_early_on_rank1" in text
+    # uneven work without a collective waiting is fine
+    assert ps.spawn(_uneven_work, nprocs=2, timeout=120) == [0, 1]
