@@ -32,12 +32,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._batch_kinds import CONST, MIXED, Kind, Rules, describe_kind, join, output_kinds
 from ._checks import fn_name
 from ._placements import Partial, Placement, Replicate, Shard
-from ._specs import default_spec, rebuild_spec_tree, resolve_specs
+from ._specs import default_spec, rebuild_spec_tree
+from ._split_merge import Inputs, resolve_inputs
 from ._tree import (
     NAMESPACE,
     article,
     keystr,
-    tree_flatten,
     tree_flatten_with_path,
     tree_unflatten,
 )
@@ -96,86 +96,25 @@ def _shape_str(shape: Sequence[Any]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def _resolve_in_specs(
-    where: str, args: tuple, kwargs: dict, in_specs: Any, kw_specs: Any
-) -> tuple[optree.PyTreeSpec, list[Any], list[Any], list[str]]:
-    """Flatten ``(args, kwargs)`` and give every leaf its spec and a display name."""
-    specs: list[Any] = []
-    names: list[str] = []
-    leaves: list[Any] = []
-    for value, spec_tree, root in ((args, in_specs, "in_specs"), (kwargs, kw_specs, "kw_specs")):
-        paths, value_leaves, value_treedef = tree_flatten_with_path(value)
-        if spec_tree is None:
-            specs += [default_spec(leaf) for leaf in value_leaves]
-        else:
-            if root == "in_specs" and isinstance(spec_tree, list):
-                spec_tree = tuple(spec_tree)
-            specs += resolve_specs(
-                spec_tree,
-                value_leaves,
-                value_treedef,
-                name=root,
-                fn_name=where,
-                allowed=(Shard, Replicate),
-            )
-        names += [keystr(path, root) for path in paths]
-        leaves += value_leaves
-    _, treedef = tree_flatten((args, kwargs))
-    return treedef, leaves, specs, names
-
-
-def _check_leaf_specs(
-    where: str, leaves: Sequence[Any], specs: Sequence[Any], names: Sequence[str]
-) -> list[int | None]:
-    """Validate per-leaf specs and check that the Shard inputs agree on the batch size; return
-    each leaf's non-negative split dim (None when it is not split)."""
-    split_dims: list[int | None] = []
-    batch: tuple[int, str, int, tuple[int, ...]] | None = None
-    for leaf, spec, name in zip(leaves, specs, names, strict=True):
+def _check_inputs(where: str, inputs: Inputs) -> list[int | None]:
+    """What the analysis needs of resolved inputs beyond the split plan: real values, and
+    tensors for every ``Shard``; each leaf's split dim."""
+    if inputs.plan.recheck is not None:  # the quick plan leaves sizes to the split: compare now
+        inputs.plan = inputs.plan.recheck()
+    for i, (leaf, spec) in enumerate(zip(inputs.leaves, inputs.specs, strict=True)):
         if _is_fake(leaf):
             raise ValueError(
-                f"{where} {name}: the input is already a fake tensor (an enclosing trace); "
-                f"batch-dim analysis cannot run inside another trace: pass out_specs explicitly"
+                f"{where} {inputs.name_of(i)}: the input is already a fake tensor (an enclosing "
+                f"trace); batch-dim analysis cannot run inside another trace: pass out_specs "
+                f"explicitly"
             )
-        if spec is None or isinstance(spec, Replicate):
-            split_dims.append(None)
-            continue
-        if type(spec) is not Shard:
-            if isinstance(spec, Placement):
-                raise ValueError(
-                    f"{where} {name}: {spec!r} is not a microbatch input spec; "
-                    f"use Shard(d), Replicate() or None"
-                )
-            hint = f"; did you mean Shard({spec})?" if isinstance(spec, int) else ""
-            raise TypeError(
-                f"{where} {name}: expected Shard(d), Replicate() or None, got {spec!r} "
-                f"({type(spec).__name__}){hint}"
-            )
-        if not isinstance(leaf, torch.Tensor):
+        if type(spec) is Shard and not isinstance(leaf, torch.Tensor):
             raise ValueError(
-                f"{where} {name}: {spec!r} but the value is {article(type(leaf).__name__)}, not a "
-                f"tensor; only tensors can be split: use Replicate() or None for it"
+                f"{where} {inputs.name_of(i)}: {spec!r} but the value is "
+                f"{article(type(leaf).__name__)}, not a tensor; only tensors can be split: use "
+                f"Replicate() or None for it"
             )
-        ndim = leaf.dim()
-        if not -ndim <= spec.dim < ndim:
-            valid = f"use a dim in [{-ndim}, {ndim - 1}]" if ndim else "use Replicate()"
-            raise ValueError(
-                f"{where} {name}: {spec!r} but the tensor has {ndim} dims (shape "
-                f"{_shape_str(tuple(leaf.shape))}); {valid}"
-            )
-        dim = spec.dim % ndim
-        size = int(leaf.shape[dim])
-        if batch is None:
-            batch = (size, name, dim, tuple(leaf.shape))
-        elif size != batch[0]:
-            raise ValueError(
-                f"{where}: the Shard inputs disagree on the batch size: {batch[1]} has "
-                f"{batch[0]} (dim {batch[2]} of shape {_shape_str(batch[3])}) but {name} has "
-                f"{size} (dim {dim} of shape {_shape_str(tuple(leaf.shape))}); every Shard "
-                f"input must have the same size along its split dim"
-            )
-        split_dims.append(dim)
-    return split_dims
+    return inputs.split_dims()
 
 
 # --------------------------------------------------------------------------------------------
@@ -632,50 +571,35 @@ def _trace_out_specs(
     return out_treedef, specs
 
 
-def _out_specs_from_leaf_specs(
+def out_specs_of_inputs(
     fn: Callable[..., Any],
-    treedef: optree.PyTreeSpec,
-    leaves: Sequence[Any],
-    leaf_specs: Sequence[Placement | None],
+    inputs: Inputs,
     *,
-    leaf_names: Sequence[str] | None = None,
     api: str = "infer_out_specs",
     allow_ratio: bool = False,
 ) -> Any:
-    """Out spec tree of ``fn`` from already-resolved per-leaf input specs (cached).
-
-    ``treedef.unflatten(leaves)`` must be ``(args, kwargs)`` (as flattened by
-    ``pshard._tree.tree_flatten``), and ``leaf_specs[i]`` the spec of ``leaves[i]``: ``Shard(d)``
-    (negative ``d`` allowed), ``Replicate()`` or ``None``. ``leaf_names[i]`` names the leaf in
-    errors (e.g. ``"in_specs[0]['x']"``); ``api`` starts every error (``"api(fn_name) ..."``).
-
-    The result is cached per ``fn`` and input signature (treedef, shapes without the batch size,
-    dtypes, devices, requires_grad, split dims, non-tensor values); errors are not cached.
-    """
+    """Out spec tree of ``fn`` for inputs resolved by :func:`pshard._split_merge.resolve_inputs`
+    (the positional and keyword parts), cached per ``fn`` and input signature (treedef, shapes
+    without the batch size, dtypes, devices, requires_grad, split dims, non-tensor values, grad
+    mode, weighting); errors are not cached. ``api`` starts every error (``"api(fn_name) ..."``);
+    ``allow_ratio`` (``pmap_microbatch`` with a ``weight_fn``) merges ratios of batch sums as
+    ``Partial("mean")``."""
     where = f"{api}({fn_name(fn)})"
-    if leaf_names is None:
-        leaf_names = [f"input leaf {i}" for i in range(len(leaves))]
-    if not (len(leaves) == len(leaf_specs) == len(leaf_names) == treedef.num_leaves):
-        raise ValueError(
-            f"{where}: {len(leaves)} leaves, {len(leaf_specs)} specs and {len(leaf_names)} "
-            f"names for a treedef of {treedef.num_leaves} leaves"
-        )
-    split_dims = _check_leaf_specs(where, leaves, leaf_specs, leaf_names)
-    signature = _signature(treedef, leaves, leaf_specs, split_dims)
+    split_dims = _check_inputs(where, inputs)
+    treedef = optree.treespec_tuple(inputs.defs, namespace=NAMESPACE)
+    leaves, specs = inputs.leaves, inputs.specs
+    signature = _signature(treedef, leaves, specs, split_dims)
     if signature is not None:  # and everything else the answer depends on
         signature = (
-            signature,
-            allow_ratio,
-            torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled(),
-        )
+            signature, allow_ratio, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        )  # fmt: skip
     cached = None if signature is None else _CACHE.get(fn, signature)
     if cached is None:
         cached = _trace_out_specs(where, fn, treedef, leaves, split_dims, allow_ratio)
         if signature is not None:
             _CACHE.put(fn, signature, cached)
-    out_treedef, specs = cached
-    return _spec_tree(out_treedef, specs)
+    out_treedef, out_specs = cached
+    return _spec_tree(out_treedef, out_specs)
 
 
 def infer_out_specs(
@@ -768,8 +692,12 @@ def infer_out_specs(
         (Partial('mean'), Shard(0), Replicate(), Partial('max'), Partial('sum'))
     """
     api = "infer_out_specs"
-    where = f"{api}({fn_name(fn)})"
     if not callable(fn):
         raise TypeError(f"{api}: fn must be callable, got {fn!r} ({type(fn).__name__})")
-    treedef, leaves, specs, names = _resolve_in_specs(where, args, kwargs, in_specs, kw_specs)
-    return _out_specs_from_leaf_specs(fn, treedef, leaves, specs, leaf_names=names, api=api)
+    inputs = resolve_inputs(
+        [(args, in_specs, "in_specs"), (kwargs, kw_specs, "kw_specs")],
+        where=f"{api}({fn_name(fn)})",
+        allowed=(Shard, Replicate),
+        default=default_spec,
+    )
+    return out_specs_of_inputs(fn, inputs, api=api)

@@ -13,18 +13,17 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import optree
 import torch
 
 from ._annotations import default_in_specs, default_out_specs
-from ._batch_dim import _out_specs_from_leaf_specs
+from ._batch_dim import out_specs_of_inputs
 from ._checks import check_int, fn_name
 from ._debug import debug_enabled
 from ._placements import Partial, Replicate, Shard
 from ._reduce import ReduceError, make_reducer, weight_value
-from ._specs import check_specs, default_spec, resolve_specs
-from ._split_merge import flatten_like, plan_split, resolve_quick, split_columns
-from ._tree import NAMESPACE, is_block_mask, keystr, tree_flatten
+from ._specs import default_spec, resolve_specs
+from ._split_merge import Inputs, flatten_like, resolve_inputs, split_columns
+from ._tree import is_block_mask, keystr, tree_flatten
 
 __all__ = ["pmap_microbatch"]
 
@@ -34,45 +33,17 @@ _IN_SPECS = (Shard, Replicate)
 _OUT_SPECS = (Shard, Replicate, Partial)
 
 
-class _Names:
-    """Key paths of the flattened ``(args, kwargs)`` leaves, computed only when asked for."""
-
-    def __init__(self, args_def: Any, kwargs_def: Any) -> None:
-        self._defs = (args_def, kwargs_def)
-        self._paths: tuple[list, list] | None = None
-
-    def __call__(self, i: int) -> str:
-        if self._paths is None:
-            self._paths = (self._defs[0].accessors(), self._defs[1].accessors())
-        args_paths, kwargs_paths = self._paths
-        if i < len(args_paths):
-            return keystr(args_paths[i], "in_specs")
-        return keystr(kwargs_paths[i - len(args_paths)], "kw_specs")
-
-
-def _infer_out_specs(
-    fn: Callable[..., Any],
-    args_def: Any,
-    kwargs_def: Any,
-    leaves: list[Any],
-    specs: list[Any],
-    name_of: _Names,
-    weighted: bool,
-) -> Any:
+def _infer_out_specs(fn: Callable[..., Any], inputs: Inputs, weighted: bool) -> Any:
     """The out spec tree of ``fn`` by batch-dim analysis (``out_specs="infer"``), cached there
     per function and input signature."""
-    for i, (leaf, spec) in enumerate(zip(leaves, specs, strict=True)):
+    for i, (leaf, spec) in enumerate(zip(inputs.leaves, inputs.specs, strict=True)):
         if type(spec) is Shard and is_block_mask(leaf):
             raise ValueError(
-                f"pmap_microbatch({fn_name(fn)}) {name_of(i)}: out_specs='infer' cannot trace "
-                "a function through a BlockMask it splits (flex attention does not run on fake "
-                "tensors); pass out_specs explicitly, e.g. out_specs=ps.Shard(0)"
+                f"pmap_microbatch({fn_name(fn)}) {inputs.name_of(i)}: out_specs='infer' cannot "
+                "trace a function through a BlockMask it splits (flex attention does not run on "
+                "fake tensors); pass out_specs explicitly, e.g. out_specs=ps.Shard(0)"
             )
-    treedef = optree.treespec_tuple([args_def, kwargs_def], namespace=NAMESPACE)
-    names = [name_of(i) for i in range(len(leaves))]
-    return _out_specs_from_leaf_specs(
-        fn, treedef, leaves, specs, leaf_names=names, api="pmap_microbatch", allow_ratio=weighted
-    )
+    return out_specs_of_inputs(fn, inputs, api="pmap_microbatch", allow_ratio=weighted)
 
 
 def pmap_microbatch(
@@ -257,12 +228,6 @@ def _wrap(fn: F, *, config: _Config) -> F:
     return microbatched  # type: ignore[return-value]
 
 
-def _resolve_in(specs: Any, leaves: list[Any], treedef: Any, name: str, where: str) -> list[Any]:
-    if specs is None:
-        return [default_spec(leaf) for leaf in leaves]
-    return resolve_quick(specs, leaves, treedef, name=name, fn_name=where, allowed=_IN_SPECS)
-
-
 def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> Any:
     where = f"pmap_microbatch({fn_name(fn)})"
     in_specs, kw_specs = config.in_specs, config.kw_specs
@@ -271,31 +236,15 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
         if annotated is not None:
             in_specs = annotated[0] if in_specs is None else in_specs
             kw_specs = annotated[1] if kw_specs is None else kw_specs
-    arg_leaves, args_def = tree_flatten(args)
-    kw_leaves, kwargs_def = tree_flatten(kwargs)
-    arg_specs = _resolve_in(in_specs, arg_leaves, args_def, "in_specs", where)
-    kw_leaf_specs = _resolve_in(kw_specs, kw_leaves, kwargs_def, "kw_specs", where)
-    leaves = arg_leaves + kw_leaves
-    specs = arg_specs + kw_leaf_specs
-    n_args = len(arg_leaves)
-    name_of = _Names(args_def, kwargs_def)
-
-    def misfit(i: int) -> None:
-        if i < n_args:
-            check_specs(
-                arg_leaves, arg_specs, args_def, name="in_specs", fn_name=where, allowed=_IN_SPECS
-            )
-        else:
-            check_specs(
-                kw_leaves,
-                kw_leaf_specs,
-                kwargs_def,
-                name="kw_specs",
-                fn_name=where,
-                allowed=_IN_SPECS,
-            )
-
-    plan = plan_split(leaves, specs, name_of, where=where, misfit=misfit)
+    inputs = resolve_inputs(
+        [(args, in_specs, "in_specs"), (kwargs, kw_specs, "kw_specs")],
+        where=where,
+        allowed=_IN_SPECS,
+        default=default_spec,
+    )
+    args_def, kwargs_def = inputs.defs
+    leaves, specs, plan, name_of = inputs.leaves, inputs.specs, inputs.plan, inputs.name_of
+    n_args = inputs.counts[0]
     if config.num_microbatches is not None:
         k, count_name = config.num_microbatches, "num_microbatches"
     else:
@@ -313,9 +262,7 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
     if isinstance(out_specs, str) and out_specs == "infer":
         out_specs = default_out_specs(fn, transform="pmap_microbatch", required=False)
         if out_specs is None:
-            out_specs = _infer_out_specs(
-                fn, args_def, kwargs_def, leaves, specs, name_of, config.weight_fn is not None
-            )
+            out_specs = _infer_out_specs(fn, inputs, config.weight_fn is not None)
 
     weight_fn = config.weight_fn
     reducers: list[Any] = []

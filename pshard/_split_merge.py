@@ -9,12 +9,14 @@ from the first chunk.
 
 Internal interface (used by :func:`pshard.pmap_microbatch`):
 
+- ``resolve_inputs(parts, *, where, allowed) -> Inputs``: the one input-resolution step of
+  ``split``, ``pmap_microbatch`` and ``infer_out_specs``: each part ``(value, spec tree, root
+  name)`` (``(args, in_specs, "in_specs")``, ...) flattened once, every leaf's spec resolved once
+  (``default_spec`` where the spec tree is omitted), and the ``Shard`` leaves checked to fit and
+  to agree on the size of their split dim once (the :class:`SplitPlan`); key paths are written
+  only for errors (``Inputs.name_of(i)``).
 - ``resolve_quick(specs, leaves, treedef, *, name, fn_name, allowed) -> list``: each leaf's
   spec with the types checked (leaves are checked where they are used).
-- ``plan_split(leaves, specs, name_of, *, where, misfit) -> SplitPlan``: checks that the
-  ``Shard`` leaves fit and agree on the size of their split dim (``SplitPlan.size``, None when
-  nothing is split); ``name_of(i)`` writes leaf ``i``'s key path, ``misfit(i)`` raises
-  ``check_specs``' error for it.
 - ``split_columns(leaves, specs, plan, num_chunks, name_of, *, where, count_name)
   -> (columns, sizes)``: each leaf's ``num_chunks`` pieces and the chunk sizes along the split
   (None when nothing is split).
@@ -98,6 +100,81 @@ def resolve_quick(
     if any(spec is None for spec in unique.values()):
         flat = [_REPLICATE if spec is None else spec for spec in flat]
     return flat
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Inputs resolved once (see :func:`resolve_inputs`)."""
+
+    defs: list[PyTreeSpec]  # each part's structure
+    roots: list[str]  # each part's name in messages (``in_specs``, ``kw_specs``)
+    leaves: list[Any]  # every part's leaves, in order
+    specs: list[Any]  # their specs (``Shard`` / ``Replicate`` ...)
+    plan: SplitPlan
+    counts: list[int]  # leaves per part
+
+    def name_of(self, i: int) -> str:
+        """Leaf ``i``'s key path (``in_specs[1]['labels']``), written on demand."""
+        for treedef, root, count in zip(self.defs, self.roots, self.counts, strict=True):
+            if i < count:
+                return keystr(leaf_path(treedef, i), root)
+            i -= count
+        raise IndexError(i)  # pragma: no cover
+
+    def split_dims(self) -> list[int | None]:
+        """Each leaf's non-negative split dim (None when it is not split)."""
+        dims: list[int | None] = [None] * len(self.leaves)
+        plan = self.plan
+        if plan.uniform_dim is not None:
+            return [plan.uniform_dim % max(x.ndim, 1) for x in self.leaves]
+        for i, d in plan.tensors:
+            dims[i] = d % self.leaves[i].ndim
+        for i in plan.masks + plan.shared_masks:
+            dims[i] = 0
+        return dims
+
+
+def resolve_inputs(
+    parts: Sequence[tuple[Any, Any, str]],
+    *,
+    where: str,
+    allowed: tuple[type, ...],
+    default: Callable[[Any], Any] | None = None,
+) -> Inputs:
+    """Flatten each ``(value, spec tree, root name)`` part once, resolve every leaf's spec once
+    (``default(leaf)`` where the part's spec tree is ``None`` and ``default`` is given), and
+    check once that the ``Shard`` leaves fit and agree on the size of their split dim."""
+    defs, roots, leaves, specs, counts = [], [], [], [], []
+    for value, spec_tree, root in parts:
+        part_leaves, treedef = tree_flatten(value)
+        if spec_tree is None and default is not None:
+            part_specs = [default(leaf) for leaf in part_leaves]
+        else:
+            if root == "in_specs" and isinstance(spec_tree, list):
+                spec_tree = tuple(spec_tree)  # a list of specs for the args tuple
+            part_specs = resolve_quick(
+                spec_tree, part_leaves, treedef, name=root, fn_name=where, allowed=allowed
+            )
+        defs.append(treedef)
+        roots.append(root)
+        counts.append(len(part_leaves))
+        leaves += part_leaves
+        specs += part_specs
+
+    def misfit(i: int) -> None:  # check_specs words the error of the part holding leaf i
+        start = 0
+        for treedef, root, count in zip(defs, roots, counts, strict=True):
+            if i < start + count:
+                check_specs(
+                    leaves[start : start + count], specs[start : start + count], treedef,
+                    name=root, fn_name=where, allowed=allowed,
+                )  # fmt: skip
+                return
+            start += count
+
+    inputs = Inputs(defs, roots, leaves, specs, SplitPlan(None, -1, [], [], []), counts)
+    inputs.plan = plan_split(leaves, specs, inputs.name_of, where=where, misfit=misfit)
+    return inputs
 
 
 def plan_split(
@@ -366,20 +443,12 @@ def split(tree: Any, specs: Any, num_chunks: int) -> list[Any]:
         ([3, 2], 0.1)
     """
     k = check_int("split", "num_chunks", num_chunks, minimum=1)
-    leaves, treedef = tree_flatten(tree)
-    checks = {"name": "specs", "fn_name": "split", "allowed": _SPLIT_SPECS}
-    resolved = resolve_quick(specs, leaves, treedef, **checks)
-
-    def name_of(i: int) -> str:
-        return keystr(leaf_path(treedef, i), "specs")
-
-    def misfit(i: int) -> None:
-        check_specs(leaves, resolved, treedef, **checks)
-
-    plan = plan_split(leaves, resolved, name_of, where="split", misfit=misfit)
+    inputs = resolve_inputs([(tree, specs, "specs")], where="split", allowed=_SPLIT_SPECS)
+    treedef = inputs.defs[0]
     columns, _ = split_columns(
-        leaves, resolved, plan, k, name_of, where="split", count_name="num_chunks"
-    )
+        inputs.leaves, inputs.specs, inputs.plan, k, inputs.name_of, where="split",
+        count_name="num_chunks",
+    )  # fmt: skip
     if not columns:
         return [treedef.unflatten(()) for _ in range(k)]
     return list(map(treedef.unflatten, zip(*columns, strict=True)))

@@ -17,6 +17,7 @@ from helpers import TREES, Batch, CausalLMOutputLike, Derived
 
 import pshard as ps
 from pshard import _batch_dim
+from pshard._split_merge import resolve_inputs
 from pshard._tree import tree_flatten, tree_map
 
 S0, S1, R, MEAN = ps.Shard(0), ps.Shard(1), ps.Replicate(), ps.Partial("mean")
@@ -262,12 +263,11 @@ def test_functional_call_mlp_with_cross_entropy():
     ) as e:
         infer(loss_fn, params, x, y, in_specs=(R, S0, S0))
     assert "weight_fn" in str(e.value)
-    leaves, treedef = optree.tree_flatten(((params, x, y), {}), namespace="pshard")
-    specs = [R] * len(params) + [S0, S0]
-    ratio = functools.partial(_batch_dim._out_specs_from_leaf_specs, allow_ratio=True)
-    assert ratio(loss_fn, treedef, leaves, specs) == (MEAN, {"logits": S0, "probs": S0})
+    inputs = _resolved((R, S0, S0), (params, x, y))
+    ratio = functools.partial(_batch_dim.out_specs_of_inputs, allow_ratio=True)
+    assert ratio(loss_fn, inputs) == (MEAN, {"logits": S0, "probs": S0})
     # gradients of such a mean with respect to the parameters are the same kind of mean
-    grads = ratio(torch.func.grad(lambda p, x, y: loss_fn(p, x, y)[0]), treedef, leaves, specs)
+    grads = ratio(torch.func.grad(lambda p, x, y: loss_fn(p, x, y)[0]), inputs)
     assert grads == dict.fromkeys(params, MEAN)
 
 
@@ -323,8 +323,7 @@ def test_language_model_style_loss():
     }
     with pytest.raises(ValueError, match="weight_fn"):  # a mean over non-ignored targets
         infer(fn, batch)
-    leaves, treedef = optree.tree_flatten(((batch,), {}), namespace="pshard")
-    out = _batch_dim._out_specs_from_leaf_specs(fn, treedef, leaves, [S0, S0], allow_ratio=True)
+    out = _batch_dim.out_specs_of_inputs(fn, _resolved((S0,), (batch,)), allow_ratio=True)
     assert out == {"loss": MEAN, "logits": S0, "last": S0}
     out = infer(lambda b: fn(b)["logits"], batch, in_specs=S1)
     assert out == S1
@@ -492,16 +491,18 @@ def test_batch_size_mismatch_error_names_paths():
     with pytest.raises(ValueError) as info:
         infer(lambda p, x: x, params, torch.randn(6, 4))
     assert str(info.value) == (
-        "infer_out_specs(<lambda>): the Shard inputs disagree on the batch size: "
-        "in_specs[0]['0.bias'] has 8 (dim 0 of shape (8,)) but in_specs[0]['2.bias'] has 3 "
-        "(dim 0 of shape (3,)); every Shard input must have the same size along its split dim"
+        "infer_out_specs(<lambda>) in_specs[0]['2.bias']: Shard(0) splits a dim of size 3 (dim 0 "
+        "of a tensor of shape (3,)) but in_specs[0]['0.bias'] splits one of size 8 (dim 0 of a "
+        "tensor of shape (8,)); every Shard leaf must have the same size along its split dim: "
+        "give leaves that are not batched Replicate() or None"
     )
     with pytest.raises(ValueError) as info:
         infer(lambda x, y: x, torch.randn(6, 4), y=torch.randn(3, 5), kw_specs={"y": S1})
     assert str(info.value) == (
-        "infer_out_specs(<lambda>): the Shard inputs disagree on the batch size: in_specs[0] "
-        "has 6 (dim 0 of shape (6, 4)) but kw_specs['y'] has 5 (dim 1 of shape (3, 5)); every "
-        "Shard input must have the same size along its split dim"
+        "infer_out_specs(<lambda>) kw_specs['y']: Shard(1) splits a dim of size 5 (dim 1 of a "
+        "tensor of shape (3, 5)) but in_specs[0] splits one of size 6 (dim 0 of a tensor of "
+        "shape (6, 4)); every Shard leaf must have the same size along its split dim: give "
+        "leaves that are not batched Replicate() or None"
     )
 
 
@@ -537,26 +538,31 @@ def test_input_spec_errors():
         infer(lambda x, y: x, x, y=3, kw_specs={"y": S0})
 
 
-def test_private_interface_checks_leaf_specs():
-    leaves, treedef = optree.tree_flatten(((torch.randn(4, 3), 2), {}), namespace="pshard")
+def _resolved(specs, value=None):
+    value = (torch.randn(4, 3), 2) if value is None else value
+    return resolve_inputs(
+        [(value, tuple(specs), "in_specs"), ({}, None, "kw_specs")],
+        where="infer_out_specs(<lambda>)",
+        allowed=(ps.Shard, ps.Replicate),
+    )
 
+
+def test_private_interface_checks_leaf_specs():
     def check(specs):
-        return _batch_dim._out_specs_from_leaf_specs(
-            lambda x, n: x, treedef, leaves, specs, leaf_names=["in_specs[0]", "in_specs[1]"]
-        )
+        return _batch_dim.out_specs_of_inputs(lambda x, n: x, _resolved(specs))
 
     assert check([S1, None]) == S1
     with pytest.raises(ValueError) as info:
         check([ps.Shard(-3), None])
     assert str(info.value) == (
         "infer_out_specs(<lambda>) in_specs[0]: Shard(-3) but the tensor has 2 dims "
-        "(shape (4, 3)); use a dim in [-2, 1]"
+        "(shape (4, 3)); did you mean Shard(-2)?"
     )
     with pytest.raises(ValueError, match=re.escape("in_specs[1]: Shard(0) but the value is an")):
         check([S0, S0])
-    with pytest.raises(ValueError, match=re.escape("in_specs[0]: Partial('sum') is not a")):
+    with pytest.raises(TypeError, match=re.escape("in_specs[0]: expected a Shard, a Replicate")):
         check([ps.Partial(), None])
-    with pytest.raises(TypeError, match=re.escape("in_specs[0]: expected Shard(d), Replicate()")):
+    with pytest.raises(TypeError, match=re.escape("in_specs[0]: expected a Shard, a Replicate")):
         check([0, None])
 
 
@@ -666,23 +672,25 @@ def test_errors_are_not_cached():
 # ----------------------------------------------------------------------------- private interface
 
 
-def test_private_interface_with_resolved_leaf_specs():
+def test_private_interface_with_resolved_inputs():
     args, kwargs = (torch.randn(3, 6), 2), {"y": torch.randn(6)}
-    leaves, treedef = optree.tree_flatten((args, kwargs), namespace="pshard")
-    out = _batch_dim._out_specs_from_leaf_specs(
-        lambda x, n, y: (x * y * n, x.sum(1)),
-        treedef,
-        leaves,
-        [ps.Shard(-1), None, S0],
-        leaf_names=["in_specs[0]", "in_specs[1]", "kw_specs['y']"],
-        api="pmap_microbatch",
+
+    def resolved(specs):
+        return resolve_inputs(
+            [(args, specs, "in_specs"), (kwargs, {"y": S0}, "kw_specs")],
+            where="pmap_microbatch(<lambda>)",
+            allowed=(ps.Shard, ps.Replicate),
+        )
+
+    out = _batch_dim.out_specs_of_inputs(
+        lambda x, n, y: (x * y * n, x.sum(1)), resolved((ps.Shard(-1), None)), api="pmap_microbatch"
     )
     assert out == (S1, SUM)
     with pytest.raises(
         ValueError, match=re.escape("pmap_microbatch(<lambda>) output: dim 0 has size 3*B")
     ):
-        _batch_dim._out_specs_from_leaf_specs(
-            lambda x, n, y: x.flatten(), treedef, leaves, [S1, None, S0], api="pmap_microbatch"
+        _batch_dim.out_specs_of_inputs(
+            lambda x, n, y: x.flatten(), resolved((S1, None)), api="pmap_microbatch"
         )
 
 
