@@ -51,6 +51,7 @@ from .sequence._lm import token_mean_loss as token_mean_loss
 from .sequence._ring import ring_attention as ring_attention
 from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
 from .sequence._ulysses import ulysses_attention as ulysses_attention
+from .sequence._usp import usp_attention as usp_attention
 
 __version__ = "0.1.0"
 
@@ -88,6 +89,7 @@ __all__ = [
     "reduce_gradients",
     "Replicate",
     "ring_attention",
+    "usp_attention",
     "seq_positions",
     "seq_to_heads",
     "sequence_parallel",

@@ -12,6 +12,7 @@ Private modules, one concept each (the public names are re-exported by ``pshard`
 - ``_ulysses``: ``ulysses_attention``.
 - ``_ring``: ``ring_attention`` (K/V blocks around the axis, online softmax, skipped masked
   blocks, a recomputing backward).
+- ``_usp``: ``usp_attention`` (Ulysses over one axis, ring attention over another).
 - ``_lm``: causal-LM batches and losses (``prepare_lm_batch``, ``token_mean_loss``).
 - ``_hooks``: ``sequence_parallel`` module hooks and ``reduce_gradients``.
 - ``_broadcast``: every rank's batch in turn to the whole axis (``broadcast_batches``).

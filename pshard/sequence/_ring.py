@@ -49,7 +49,7 @@ from ._masks import (
 )
 from ._qkv import check_qkv, token_layout
 
-__all__ = ["BlockCounts", "block_counts", "ring_attention"]
+__all__ = ["BlockCounts", "GatheredLayout", "block_counts", "ring_attention", "ring_core"]
 
 _FN = "ring_attention"
 
@@ -87,7 +87,7 @@ def _bounds(local: int, chunks: int) -> tuple[int, ...]:
     return tuple(local * i // chunks for i in range(chunks + 1))
 
 
-def _chunks(layout: SeqLayout, causal: bool, window: Window | None) -> int:
+def _chunks(layout: Any, causal: bool, window: Window | None) -> int:
     banded = causal or window is not None
     return 2 if banded and layout.local_length % 2 == 0 and layout.local_length else 1
 
@@ -95,8 +95,8 @@ def _chunks(layout: SeqLayout, causal: bool, window: Window | None) -> int:
 def _classify(
     qs: tuple[int, ...], ks: tuple[int, ...], length: int, causal: bool, window: Window | None
 ) -> str:
-    """``"skip"``, ``"full"`` or ``"partial"`` for sorted query and key positions."""
-    seen = visible_counts(qs, ks, length, causal, window)
+    """``"skip"``, ``"full"`` or ``"partial"`` for sets of query and key positions."""
+    seen = visible_counts(qs, sorted(ks), length, causal, window)
     if not seen.any():
         return "skip"
     return "full" if bool((seen == len(ks)).all()) else "partial"
@@ -104,11 +104,15 @@ def _classify(
 
 @functools.lru_cache(maxsize=256)
 def _plan(
-    kind: str, length: int, size: int, rank: int, causal: bool, window: Window | None = None
+    layout: Any, rank: int, causal: bool, window: Window | None = None
 ) -> tuple[tuple[tuple[_Step, ...], ...], BlockCounts]:
     """For each ring step ``t`` (holding the block of rank ``(rank - t) % size``), the
-    (query chunk, key chunk) matmuls to run, by position alone; and the pair counts."""
-    layout = SeqLayout(kind, length, size)
+    (query chunk, key chunk) matmuls to run, by position alone; and the pair counts.
+
+    ``layout`` says where the tokens are: a :class:`SeqLayout`, or any hashable object with its
+    ``length``, ``size``, ``local_length``, ``positions(rank)`` and ``position_tensor(rank,
+    device)`` (:class:`GatheredLayout` for the ring part of ``usp_attention``)."""
+    length, size = layout.length, layout.size
     b = _bounds(layout.local_length, _chunks(layout, causal, window))
     mine = layout.positions(rank)
     counts = {"full": 0, "partial": 0, "skip": 0}
@@ -155,13 +159,14 @@ def block_counts(
     """
     win = check_window("block_counts", window)
     if segment_ids is None:
-        return tuple(_plan(kind, length, size, r, bool(causal), win)[1] for r in range(size))
+        layout = SeqLayout(kind, length, size)
+        return tuple(_plan(layout, r, bool(causal), win)[1] for r in range(size))
     layout = SeqLayout(kind, length, size)
     spec = _Spec(layout, bool(causal), 1.0, 1, win)
     every = pad_permute(segment_ids.to(torch.int64), 1, layout, -1)
     out = []
     for r in range(size):
-        steps, static = _plan(kind, length, size, r, bool(causal), win)
+        steps, static = _plan(layout, r, bool(causal), win)
         b = _bounds(layout.local_length, _chunks(layout, spec.causal, win))
         segs = (every.chunk(size, 1)[r], every)
         full = partial = 0
@@ -178,6 +183,40 @@ def block_counts(
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class GatheredLayout:
+    """The tokens a ring rank holds after an all-to-all that gathered the sequence over an inner
+    axis of ``inner`` ranks (``usp_attention``): ring rank ``r`` holds, in order, the tokens of
+    ranks ``r * inner + u`` (``u = 0 .. inner - 1``) of ``base``, a layout over
+    ``size * inner`` ranks."""
+
+    base: SeqLayout
+    size: int  # ring ranks
+    inner: int  # ranks gathered into each ring rank
+
+    @property
+    def length(self) -> int:
+        return self.base.length
+
+    @property
+    def local_length(self) -> int:
+        return self.base.local_length * self.inner
+
+    @property
+    def kind(self) -> str:
+        return f"{self.base.kind} gathered by {self.inner}"
+
+    def positions(self, rank: int) -> tuple[int, ...]:
+        return tuple(
+            p for u in range(self.inner) for p in self.base.positions(rank * self.inner + u)
+        )
+
+    def position_tensor(self, rank: int, device: Any) -> torch.Tensor:
+        return torch.cat(
+            [self.base.position_tensor(rank * self.inner + u, device) for u in range(self.inner)]
+        )
+
+
 # --------------------------------------------------------------------------- the kernel
 
 
@@ -185,7 +224,7 @@ def block_counts(
 class _Spec:
     """Everything the kernel needs besides the tensors (hashable, no tensors)."""
 
-    layout: SeqLayout
+    layout: Any  # a SeqLayout, or a GatheredLayout (see _plan)
     causal: bool
     scale: float
     groups: int  # query heads per key/value head
@@ -254,7 +293,7 @@ def _unfold(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
 
 def _schedule(spec: _Spec, n: int, r: int) -> tuple[Any, tuple[int, ...]]:
     lay = spec.layout
-    steps, _ = _plan(lay.kind, lay.length, n, r, spec.causal, spec.window)
+    steps, _ = _plan(lay, r, spec.causal, spec.window)
     return steps, _bounds(lay.local_length, _chunks(lay, spec.causal, spec.window))
 
 
@@ -520,9 +559,28 @@ def ring_attention(
     with context_scope(ctx):
         c = raw.comm(axis, _FN)
     layout = token_layout(_FN, ctx, c.size, q, sd)
+    return ring_core(q, k, v, mine, layout, c, bool(causal), win, scale, sd, hd)
+
+
+def ring_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mine: torch.Tensor | None,
+    layout: Any,
+    c: raw.Comm,
+    causal: bool,
+    window: Window | None,
+    scale: float | None,
+    sd: int,
+    hd: int,
+) -> torch.Tensor:
+    """Ring attention on checked arguments: ``layout`` says where every ring rank's tokens are
+    (see :func:`_plan`), ``mine`` this rank's segment ids (sequence last) or ``None``."""
+    hq, hkv = q.shape[hd], k.shape[hd]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    spec = _Spec(layout, bool(causal), float(scale), hq // hkv, win)
+    spec = _Spec(layout, causal, float(scale), hq // hkv, window)
     every = None
     if mine is not None:
         every = raw.all_gather(mine, c, mine.dim() - 1, True) if c.size > 1 else mine
