@@ -35,7 +35,14 @@ without segments, and the two ways of giving every rank the keys' segment ids, t
 own: one all-gather of the ids (what the kernel does) against ``N - 1`` ``ppermute``s of them
 beside the K/V blocks.
 
-    python benchmarks/sequence_parallel.py [--seq 2048] [--batch 1] [--head-size 64] [--packed-only]
+Then ``usp_attention`` on 4 ranks (mesh ``{"ring": 2, "uly": 2}``, zigzag, causal) beside
+pure Ulysses and pure ring attention over the same 4 ranks: bytes sent per rank forward,
+counted (all-to-alls and ring transfers), against the hybrid's formula
+``(U - 1) / U * b * (s / N) * (2 h + 2 h_kv) * d`` (Ulysses part) ``+ 2 (R - 1) / R * b * s *
+h_kv * d / U`` (ring part), and forward + backward time.
+
+    python benchmarks/sequence_parallel.py [--seq 2048] [--batch 1] [--head-size 64]
+        [--packed-only | --usp-only]
 """
 
 from __future__ import annotations
@@ -108,7 +115,9 @@ def _timed(run, repeats: int = 3) -> float:
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return ps.pmax(torch.tensor(statistics.median(times)), "sp").item()
+    worst = torch.tensor(statistics.median(times))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # over every rank, whatever the mesh
+    return worst.item()
 
 
 def _ring_layer(args: argparse.Namespace, hq: int, hkv: int, n: int) -> dict:
@@ -181,6 +190,81 @@ def _ring_table(args: argparse.Namespace) -> None:
                     f"{max(work) / min(work):4.1f}x | {r['seconds'] * 1e3:6.1f} ms "
                     f"{res['ulysses']['seconds'] * 1e3:6.1f} ms"
                 )
+
+
+def _usp_layer(args: argparse.Namespace, hq: int, hkv: int) -> dict:
+    ps.init_mesh({"ring": 2, "uly": 2})
+    sent = {"bytes": 0}
+    a2a, p2p = dist.all_to_all_single, dist.batch_isend_irecv
+
+    def counted_a2a(output, input, *a, **kw):
+        group = kw.get("group")
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        sent["bytes"] += input.numel() * input.element_size() * (size - 1) // size
+        return a2a(output, input, *a, **kw)
+
+    def counted_p2p(ops):
+        for op in ops:
+            if op.op is dist.isend:
+                sent["bytes"] += op.tensor.numel() * op.tensor.element_size()
+        return p2p(ops)
+
+    g = torch.Generator().manual_seed(0)
+    b, s, d = args.batch, args.seq, args.head_size
+    q = torch.randn(b, s, hq, d, generator=g, requires_grad=True)
+    k = torch.randn(b, s, hkv, d, generator=g, requires_grad=True)
+    v = torch.randn(b, s, hkv, d, generator=g, requires_grad=True)
+    axis = ("ring", "uly")
+    bodies = {
+        "usp": lambda q, k, v: ps.usp_attention(
+            q, k, v, ulysses_axis="uly", ring_axis="ring", causal=True
+        ),
+        "ulysses": lambda q, k, v: ps.ulysses_attention(q, k, v, axis=axis, causal=True),
+        "ring": lambda q, k, v: ps.ring_attention(q, k, v, axis=axis, causal=True),
+    }
+    out = {}
+    for name, body in bodies.items():
+        layer = ps.shard_map_seq(
+            body, axis=axis, in_specs=ps.Shard(1), out_specs=ps.Shard(1), layout="zigzag"
+        )
+        dist.all_to_all_single, dist.batch_isend_irecv = counted_a2a, counted_p2p
+        try:
+            sent["bytes"] = 0
+            layer(q, k, v)
+            forward = sent["bytes"]
+        finally:
+            dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p
+        seconds = _timed(lambda: layer(q, k, v).sum().backward())  # noqa: B023
+        out[name] = {"forward": forward, "seconds": seconds}
+    return out
+
+
+def _usp_table(args: argparse.Namespace) -> None:
+    b, s, d = args.batch, args.seq, args.head_size
+    r, u = 2, 2
+    n = r * u
+    print()
+    print(f"usp_attention on 4 ranks (ring 2 x ulysses 2, zigzag, causal), b={b}, s={s}, d={d}")
+    print(
+        f"{'h':>3} {'h_kv':>4} {'attention':>9} | {'fwd sent/rank':>14} {'formula':>10} "
+        f"{'ratio':>6} | {'fwd+bwd':>9}"
+    )
+    for hq, hkv in ((8, 8), (8, 2)):
+        res = ps.spawn(_usp_layer, args, hq, hkv, nprocs=n)[0]
+        kv_u = max(hkv, u)  # KV heads repeated up to the Ulysses axis
+        formulas = {
+            "usp": (u - 1) / u * b * (s / n) * (2 * hq + 2 * kv_u) * d * 4
+            + 2 * (r - 1) / r * b * s * kv_u * d / u * 4,
+            "ulysses": (n - 1) / n * b * (s / n) * (2 * hq + 2 * max(hkv, n)) * d * 4,
+            "ring": 2 * (n - 1) / n * b * s * hkv * d * 4,
+        }
+        for name, formula in formulas.items():
+            got = res[name]
+            print(
+                f"{hq:>3} {hkv:>4} {name:>9} | {got['forward'] / 2**20:11.2f} MB "
+                f"{formula / 2**20:7.2f} MB {got['forward'] / formula:6.2f} | "
+                f"{got['seconds'] * 1e3:6.1f} ms"
+            )
 
 
 def _documents(s: int, docs: int) -> torch.Tensor:
@@ -271,9 +355,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--packed-only", action="store_true", help="only the packed-row table")
+    parser.add_argument("--usp-only", action="store_true", help="only the usp_attention table")
     args = parser.parse_args()
     if args.packed_only:
         _packed_table(args)
+        return
+    if args.usp_only:
+        _usp_table(args)
         return
     b, s, d = args.batch, args.seq, args.head_size
     print(f"one causal attention layer, b={b}, s={s}, head size {d}, float32, gloo on CPU")
@@ -295,6 +383,7 @@ def main() -> None:
             )
     _ring_table(args)
     _packed_table(args)
+    _usp_table(args)
 
 
 if __name__ == "__main__":

@@ -345,3 +345,47 @@ def test_fsdp2_over_dp_and_sequence_parallel_over_sp(pool) -> None:
         torch.testing.assert_close(*res["loss"], **LOSS_TOL)
         for got, want in res["grads"]:
             torch.testing.assert_close(got, want, **GRAD_TOL)
+
+
+# --------------------------------------------------------------------------- usp on a 2-D mesh
+
+
+def _usp_worker() -> list:
+    ps.init_mesh({"ring": 2, "uly": 2})
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for family, kind, layout in (
+            ("llama", "left", "zigzag"),
+            ("mistral", "packed", "contiguous"),
+        ):
+            model = build(family)
+            ref = copy.deepcopy(model)
+            kw = inputs(kind, 11, seed=5)
+            want_logits, want_loss = _run(ref, {**kw, "use_cache": False}, False)
+            with ps.sequence_parallel(model, axis=("ring", "uly"), layout=layout, attention="usp"):
+                logits, loss = _forward(model, kw, False)
+            loss.backward()
+            ps.reduce_gradients(model, ("ring", "uly"))
+            real = kw.get("attention_mask")
+            if real is not None:
+                logits, want_logits = logits[real.bool()], want_logits[real.bool()]
+            out.append(
+                {
+                    "case": (family, kind, layout),
+                    "logits": (logits.detach(), want_logits),
+                    "loss": (loss.detach(), want_loss),
+                    "grads": (_grads(model), _grads(ref)),
+                }
+            )
+    return out
+
+
+def test_usp_on_a_2d_mesh(pool) -> None:
+    for r, per_rank in enumerate(pool.run(4, _usp_worker, timeout=300)):
+        for res in per_rank:
+            msg = f"rank {r} {res['case']}"
+            torch.testing.assert_close(*res["logits"], msg=msg, **TOL)
+            torch.testing.assert_close(*res["loss"], msg=msg, **LOSS_TOL)
+            for a, b in zip(*res["grads"], strict=True):
+                torch.testing.assert_close(a, b, msg=msg, **GRAD_TOL)

@@ -2,7 +2,7 @@
 
 ``transformers`` stays optional: nothing here imports it until a Hugging Face model is used.
 
-**Attention.** ``sequence_parallel(model, attention="ulysses" | "ring")`` sets the model's
+**Attention.** ``sequence_parallel(model, attention="ulysses" | "ring" | "usp")`` sets the model's
 ``config._attn_implementation`` to ``"pshard|<its own>"`` for the ``with`` block (and back on
 exit). That name is registered once with transformers' ``AttentionInterface``; its function
 reads the sequence context of the call, runs :func:`pshard.ulysses_attention` or
@@ -40,6 +40,7 @@ from ..sequence._context import find_context
 from ..sequence._lm import _segments
 from ..sequence._ring import ring_attention
 from ..sequence._ulysses import ulysses_attention
+from ..sequence._usp import usp_attention
 
 __all__ = ["attention_name", "is_hf_model", "plug", "prepare_call", "replug"]
 
@@ -103,18 +104,19 @@ def _hf_attention(
             f"match one process (every rank would draw its own mask): set the config's "
             f"attention_dropout to 0, or call model.eval()"
         )
-    out = _ATTENTION[call.attention](
-        query,
-        key,
-        value,
-        axis=call.axis,
-        causal=bool(getattr(module, "is_causal", True)),
-        segment_ids=call.segments,
-        window=sliding_window,
-        seq_dim=2,
-        head_dim=1,
-        scale=scaling,
-    )
+    options = {
+        "causal": bool(getattr(module, "is_causal", True)),
+        "segment_ids": call.segments,
+        "window": sliding_window,
+        "seq_dim": 2,
+        "head_dim": 1,
+        "scale": scaling,
+    }
+    if call.attention == "usp":  # axis = (ring_axis, ulysses_axis)
+        ring, ulysses = call.axis
+        out = usp_attention(query, key, value, ulysses_axis=ulysses, ring_axis=ring, **options)
+    else:
+        out = _ATTENTION[call.attention](query, key, value, axis=call.axis, **options)
     return out.transpose(1, 2), None
 
 

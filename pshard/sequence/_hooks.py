@@ -92,10 +92,15 @@ class SequenceParallel:
         self._name = type(model).__name__
         self._hf = _hf_model(model)
         if attention is not None:
-            if attention not in ("ulysses", "ring"):
+            if attention not in ("ulysses", "ring", "usp"):
                 raise ValueError(
-                    f"{_FN}({self._name}): attention must be None, 'ulysses' or 'ring', got "
-                    f"{attention!r}"
+                    f"{_FN}({self._name}): attention must be None, 'ulysses', 'ring' or 'usp', "
+                    f"got {attention!r}"
+                )
+            if attention == "usp" and len(names) != 2:
+                raise ValueError(
+                    f"{_FN}({self._name}): attention='usp' needs axis=(ring_axis, ulysses_axis), "
+                    f"two mesh axes (the ring across, Ulysses inside), got axis={axis!r}"
                 )
             if not self._hf:
                 raise TypeError(
@@ -403,7 +408,8 @@ def sequence_parallel(
         mesh: the device mesh (default: the current mesh at each call).
         layout: ``"contiguous"``, ``"zigzag"`` or ``"stripe"`` (see :func:`pshard.shard_map_seq`).
         attention: ``None`` (the model calls sequence-parallel attention itself), or
-            ``"ulysses"`` / ``"ring"`` to plug it into a Hugging Face model.
+            ``"ulysses"`` / ``"ring"`` / ``"usp"`` to plug it into a Hugging Face model
+            (``"usp"``: :func:`pshard.usp_attention` with ``axis=(ring_axis, ulysses_axis)``).
         gather_outputs: gather sequence outputs back to the whole sequence.
 
     Returns:

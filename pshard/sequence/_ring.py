@@ -88,8 +88,13 @@ def _bounds(local: int, chunks: int) -> tuple[int, ...]:
 
 
 def _chunks(layout: Any, causal: bool, window: Window | None) -> int:
-    banded = causal or window is not None
-    return 2 if banded and layout.local_length % 2 == 0 and layout.local_length else 1
+    """How many chunks a rank's tokens are cut into for the schedule: two per gathered rank
+    (its halves: under zigzag, its early and its late chunk) when a mask can skip blocks."""
+    if not (causal or window is not None):
+        return 1
+    inner = getattr(layout, "inner", 1)
+    base = layout.local_length // inner
+    return 2 * inner if base and base % 2 == 0 else inner
 
 
 def _classify(
