@@ -1,16 +1,19 @@
-"""Argument checks shared by the sequence-parallel attention functions: the q, k, v shapes and
-the layout of this rank's tokens (from the ``shard_map_seq`` context, else contiguous)."""
+"""Argument checks shared by the sequence-parallel attention functions: the q, k, v shapes, the
+masks, the sequence context, the layout of this rank's tokens (from the ``shard_map_seq``
+context, else contiguous) and the key/value heads repeated for an all-to-all."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import torch
 
 from .._checks import normalize_dim
 from .._tree import describe
-from ._context import SeqContext
+from ._context import SeqContext, find_context
 from ._layouts import SeqLayout
+from ._masks import Window, check_segment_ids, check_window
 
 
 def _dim(fn: str, name: str, d: Any, q: torch.Tensor) -> int:
@@ -84,3 +87,40 @@ def token_layout(fn: str, ctx: SeqContext | None, n: int, q: torch.Tensor, sd: i
             f"their dim"
         )
     return lay
+
+
+class AttentionArgs(NamedTuple):
+    """The checked arguments of an attention call: dims, head counts, masks and context."""
+
+    sd: int
+    hd: int
+    hq: int
+    hkv: int
+    window: Window | None
+    segments: torch.Tensor | None  # this rank's ids, sequence last
+    ctx: SeqContext | None
+
+
+def attention_args(
+    fn: str, q: Any, k: Any, v: Any, axis: Any, seq_dim: Any, head_dim: Any, segment_ids: Any,
+    window: Any,
+) -> AttentionArgs:  # fmt: skip
+    """Check q, k, v (one floating dtype), the window and the segment ids; find the sequence
+    context of ``axis`` (``None`` for any) and count this call in it."""
+    sd, hd, hq, hkv = check_qkv(fn, q, k, v, seq_dim, head_dim, one_dtype=True)
+    win = check_window(fn, window)
+    seg = None if segment_ids is None else check_segment_ids(fn, segment_ids, q, sd, hd)
+    ctx = find_context(axis, q.shape[sd])
+    if ctx is not None:
+        ctx.attended()
+    return AttentionArgs(sd, hd, hq, hkv, win, seg, ctx)
+
+
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, n: int, hd: int) -> tuple[torch.Tensor, ...]:
+    """``k``, ``v`` with each head repeated just enough (``n / gcd(heads, n)`` times) for every
+    rank of an all-to-all over ``n`` ranks to receive the key/value heads its query heads use;
+    the gradients of the copies are summed back by autograd."""
+    copies = n // math.gcd(k.shape[hd], n)
+    if copies == 1:
+        return k, v
+    return k.repeat_interleave(copies, dim=hd), v.repeat_interleave(copies, dim=hd)

@@ -37,17 +37,16 @@ import torch
 from .. import _comm as raw
 from .._collectives import _call
 from .._mesh import Axis
-from ._context import context_scope, find_context
+from ._context import context_scope
 from ._layouts import SeqLayout, pad_permute
 from ._masks import (
     Window,
-    check_segment_ids,
     check_window,
     position_mask,
     segment_mask,
     visible_counts,
 )
-from ._qkv import check_qkv, token_layout
+from ._qkv import attention_args, token_layout
 
 __all__ = ["BlockCounts", "GatheredLayout", "block_counts", "ring_attention", "ring_core"]
 
@@ -555,16 +554,11 @@ def ring_attention(
         >>> torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
         True
     """
-    sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim, one_dtype=True)
-    win = check_window(_FN, window)
-    mine = None if segment_ids is None else check_segment_ids(_FN, segment_ids, q, sd, hd)
-    ctx = find_context(axis, q.shape[sd])
-    if ctx is not None:
-        ctx.attended()
-    with context_scope(ctx):
+    a = attention_args(_FN, q, k, v, axis, seq_dim, head_dim, segment_ids, window)
+    with context_scope(a.ctx):
         c = raw.comm(axis, _FN)
-    layout = token_layout(_FN, ctx, c.size, q, sd)
-    return ring_core(q, k, v, mine, layout, c, bool(causal), win, scale, sd, hd)
+    layout = token_layout(_FN, a.ctx, c.size, q, a.sd)
+    return ring_core(q, k, v, a.segments, layout, c, bool(causal), a.window, scale, a.sd, a.hd)
 
 
 def ring_core(

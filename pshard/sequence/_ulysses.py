@@ -19,7 +19,6 @@ fully masked row (some return NaN for those) and their gradient is exactly 0.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +27,11 @@ import torch.nn.functional as F
 
 from .. import _comm as raw
 from .._mesh import Axis, resolve_axis
-from ._context import context_scope, find_context
+from ._context import context_scope
 from ._heads import heads_to_seq, seq_to_heads
 from ._layouts import SeqLayout, pad_permute, unpermute_unpad
-from ._masks import Window, check_segment_ids, check_window, position_mask, segment_mask
-from ._qkv import check_qkv, token_layout
+from ._masks import Window, position_mask, segment_mask
+from ._qkv import AttentionArgs, attention_args, repeat_kv, token_layout
 
 __all__ = ["ulysses_attention"]
 
@@ -168,12 +167,11 @@ def ulysses_attention(
         >>> torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
         True
     """
-    sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim, one_dtype=True)
-    win = check_window(_FN, window)
-    seg = None if segment_ids is None else check_segment_ids(_FN, segment_ids, q, sd, hd)
-    if attn_fn is not None and (seg is not None or win is not None) and not _takes_mask(attn_fn):
+    a = attention_args(_FN, q, k, v, axis, seq_dim, head_dim, segment_ids, window)
+    masked = a.segments is not None or a.window is not None
+    if attn_fn is not None and masked and not _takes_mask(attn_fn):
         given = " and ".join(
-            name for name, x in (("segment_ids", seg), ("window", win)) if x is not None
+            name for name, x in (("segment_ids", a.segments), ("window", a.window)) if x is not None
         )
         raise ValueError(
             f"{_FN}: {given} needs a mask, but attn_fn "
@@ -181,14 +179,12 @@ def ulysses_attention(
             f"attn_fn an attn_mask parameter (a boolean (batch, 1, seq, seq) mask, True where "
             f"a query may attend), or leave attn_fn unset"
         )
-    ctx = find_context(axis, q.shape[sd])
-    if ctx is not None:
-        ctx.attended()
-    with context_scope(ctx):
-        return _ulysses(q, k, v, axis, bool(causal), seg, win, attn_fn, sd, hd, hq, hkv, scale, ctx)
+    with context_scope(a.ctx):
+        return _ulysses(q, k, v, axis, bool(causal), attn_fn, scale, a)
 
 
-def _ulysses(q, k, v, axis, causal, seg, win, attn_fn, sd, hd, hq, hkv, scale, ctx):
+def _ulysses(q, k, v, axis, causal, attn_fn, scale, a: AttentionArgs):
+    sd, hd, hq, hkv, win, seg, ctx = a
     info = resolve_axis(axis, fn=_FN)
     n = info.size
     if hq % n:
@@ -200,14 +196,11 @@ def _ulysses(q, k, v, axis, causal, seg, win, attn_fn, sd, hd, hq, hkv, scale, c
     layout = token_layout(_FN, ctx, n, q, sd)
     if attn_fn is None:
         attn_fn = F.scaled_dot_product_attention
-    copies = n // math.gcd(hkv, n)
-    if copies > 1:
-        k = k.repeat_interleave(copies, dim=hd)
-        v = v.repeat_interleave(copies, dim=hd)
+    k, v = repeat_kv(k, v, n, hd)
     qh, kh, vh = _exchange(q, k, v, axis, n, sd, hd)
     # (..., heads / N, padded seq in permuted order, size) -> sequence order, padding dropped
     qh, kh, vh = (unpermute_unpad(t.movedim((hd, sd), (-3, -2)), -2, layout) for t in (qh, kh, vh))
-    gqa = hq != hkv * copies
+    gqa = hq != k.shape[hd]
     if layout.length and (seg is not None or win is not None):
         mask = _mask(seg, layout, causal, win, axis, q.device)
         seen = mask.any(-1, keepdim=True)  # queries that see at least one key

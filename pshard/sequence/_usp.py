@@ -17,16 +17,13 @@ pure ring attention on ``N`` ranks, and the heads need only divide by ``U``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import _comm as raw
 from .._mesh import Axis
-from ._context import context_scope, find_context, normalize_axis
+from ._context import context_scope, normalize_axis
 from ._heads import heads_to_seq
-from ._masks import check_segment_ids, check_window
-from ._qkv import check_qkv, token_layout
+from ._qkv import attention_args, repeat_kv, token_layout
 from ._ring import GatheredLayout, ring_core
 from ._ulysses import _exchange
 
@@ -96,15 +93,11 @@ def usp_attention(
         >>> torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
         True
     """
-    sd, hd, hq, hkv = check_qkv(_FN, q, k, v, seq_dim, head_dim, one_dtype=True)
-    win = check_window(_FN, window)
-    seg = None if segment_ids is None else check_segment_ids(_FN, segment_ids, q, sd, hd)
     outer, inner = normalize_axis(ring_axis), normalize_axis(ulysses_axis)
     both = (*outer, *inner) if isinstance(outer, tuple) and isinstance(inner, tuple) else None
-    ctx = find_context(both, q.shape[sd])
-    if ctx is not None:
-        ctx.attended()
-    with context_scope(ctx):
+    a = attention_args(_FN, q, k, v, both, seq_dim, head_dim, segment_ids, window)
+    sd, hd, hq, seg = a.sd, a.hd, a.hq, a.segments
+    with context_scope(a.ctx):
         cu, cr = raw.comm(ulysses_axis, _FN), raw.comm(ring_axis, _FN)
         u, r = cu.size, cr.size
         if hq % u:
@@ -113,14 +106,11 @@ def usp_attention(
                 f"not divide by the size {u} of ulysses_axis {cu.name!r}; the Ulysses part "
                 f"gives every rank heads / {u} query heads"
             )
-        layout = token_layout(_FN, ctx, r * u, q, sd)
-        copies = u // math.gcd(hkv, u)
-        if copies > 1:
-            k = k.repeat_interleave(copies, dim=hd)
-            v = v.repeat_interleave(copies, dim=hd)
+        layout = token_layout(_FN, a.ctx, r * u, q, sd)
+        k, v = repeat_kv(k, v, u, hd)
         qh, kh, vh = _exchange(q, k, v, ulysses_axis, u, sd, hd)
         if seg is not None and u > 1:
             seg = raw.all_gather(seg, cu, seg.dim() - 1, True)  # the group's tokens, in order
         gathered = GatheredLayout(layout, r, u)
-        out = ring_core(qh, kh, vh, seg, gathered, cr, bool(causal), win, scale, sd, hd)
+        out = ring_core(qh, kh, vh, seg, gathered, cr, bool(causal), a.window, scale, sd, hd)
         return heads_to_seq(out, ulysses_axis, seq_dim=sd, head_dim=hd)
