@@ -18,7 +18,7 @@ from test_seq_model import _sums, init_params
 
 import pshard as ps
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
-from pshard.sequence._ring import GatheredLayout
+from pshard.sequence._ring import GatheredLayout, _plan
 
 B, D = 2, 3
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -141,6 +141,12 @@ def test_gathered_layout() -> None:
     x = torch.arange(16)
     blocks = pad_permute(x, 0, base, -1).chunk(4)
     assert torch.equal(gathered.position_tensor(1, "cpu"), torch.cat(blocks[2:]))
+    # the load-balancing layouts balance the ring part: equal causal work on both ring ranks
+    for kind, balanced in (("zigzag", True), ("stripe", True), ("contiguous", False)):
+        layout = GatheredLayout(SeqLayout(kind, 64, 4), 2, 2)
+        work = [_plan(layout, r, True)[1].work for r in range(2)]
+        assert (work[0] == work[1]) is balanced, (kind, work)
+        assert sum(work) == 32.0  # half of the 2 x 2 steps x 4 x 4 chunk pairs: causal
 
 
 def test_errors() -> None:
