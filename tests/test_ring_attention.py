@@ -26,6 +26,7 @@ from test_seq_model import (
 
 import pshard as ps
 from pshard._tree import tree_map
+from pshard.sequence import _ring as ring_module
 from pshard.sequence._context import SeqContext, sequence_context
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
 from pshard.sequence._ring import BlockCounts, block_counts
@@ -240,28 +241,27 @@ def test_block_counts(n: int) -> None:
 
 
 def count_worker(n: int, s: int, kind: str, seg: torch.Tensor | None = None) -> int:
-    """Blocks the kernel actually computes: score matmuls against key rows, counted (with the
-    whole sequence's segment ids ``seg``, ``(1, s)``, when given)."""
+    """Blocks the kernel actually computes, counted in query rows x key rows (with the whole
+    sequence's segment ids ``seg``, ``(1, s)``, when given)."""
     ps.init_mesh({"sp": n})
     r = ps.axis_index("sp")
     lay = SeqLayout(kind, s, n)
     q = torch.randn(1, lay.local_length, 1, 2)
     mine = None if seg is None else pad_permute(seg, 1, lay, -1).chunk(n, 1)[r]
     rows = 0
-    real = torch.matmul
+    real = ring_module._block_forward
 
-    def counting(a, b):
+    def counting(qa, kb, *args):
         nonlocal rows
-        if b.shape[-2] == 2:  # q @ k^T: (.., lq, 2) @ (.., 2, lk)
-            rows += a.shape[-2] * b.shape[-1]
-        return real(a, b)
+        rows += qa.shape[-2] * kb.shape[-2]  # one head: query rows x key rows of the block
+        return real(qa, kb, *args)
 
-    torch.matmul = counting
+    ring_module._block_forward = counting
     try:
         with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
             ps.ring_attention(q, q, q, causal=True, segment_ids=mine)
     finally:
-        torch.matmul = real
+        ring_module._block_forward = real
     return rows
 
 
@@ -324,3 +324,21 @@ def test_errors() -> None:
             ),
         ):
             ps.ring_attention(q, q, q)
+
+
+def test_strided_inputs() -> None:
+    """q, k, v that are views with a non-unit last stride (unbind of a packed last dim), as the
+    fused CPU kernel does not read them correctly unless made contiguous first."""
+    ps.init_mesh({"sp": 1})
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 7, 4, 3, 3, dtype=torch.float64).unbind(-1)
+    assert q.stride(-1) != 1
+    x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = ps.ring_attention(*x, causal=True, window=3)
+    mask = torch.ones(7, 7, dtype=torch.bool).tril() & ~torch.ones(7, 7, dtype=torch.bool).tril(-3)
+    ref = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, ref, **TOL)
+    (out * ref).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in x)

@@ -301,6 +301,87 @@ def _schedule(spec: _Spec, n: int, r: int) -> tuple[Any, tuple[int, ...]]:
     return steps, _bounds(lay.local_length, _chunks(lay, spec.causal, spec.window))
 
 
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether a block on ``x``'s device runs on the fused CPU kernel (else explicit matmuls)."""
+    return _FLASH is not None and x.device.type == "cpu"
+
+
+def _as4d(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``(batch..., hkv, rows, d)`` -> a contiguous ``(B, hkv, rows, width)``, zero-padded on
+    the last dim (a zero column changes no dot product: the fused kernel wants one head size
+    for q, k, v)."""
+    x = x.reshape(-1, *x.shape[-3:])
+    if x.shape[-1] < width:
+        return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    return x.contiguous()  # the kernel reads rows with a unit stride
+
+
+def _additive(mask: Any, groups: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """A boolean block mask as the fused kernel's additive one (rows repeated for the query
+    heads folded into the rows), and which rows see a key; ``(None, None)`` without a mask."""
+    if mask is None:
+        return None, None
+    if mask.dim() == 2:  # (lq, lk)
+        m = mask.repeat(groups, 1)[None, None]
+    else:  # (batch..., 1, 1, lq, lk)
+        m = mask.reshape(-1, 1, *mask.shape[-2:]).repeat(1, 1, groups, 1)
+    add = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, -math.inf)
+    return add, m.any(-1)
+
+
+def _block_forward(qa, kb, vb, mask, spec: _Spec, acc) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's output ``(..., hkv, rows, dv)`` and log-sum-exp ``(..., hkv, rows)`` in
+    ``acc``; ``qa`` holds the query heads of each key/value head folded into its rows."""
+    if not _fused(qa):
+        s = _scores(qa, kb, mask, spec, acc)
+        lse_b = torch.logsumexp(s, -1)
+        p = torch.exp(s - _finite(lse_b).unsqueeze(-1))
+        return torch.matmul(p.to(vb.dtype), vb).to(acc), lse_b
+    width = max(qa.shape[-1], vb.shape[-1])
+    add, seen = _additive(mask, spec.groups, acc, qa.device)
+    out, lse = _FLASH(
+        _as4d(qa.to(acc), width), _as4d(kb.to(acc), width), _as4d(vb.to(acc), width),
+        0.0, False, attn_mask=add, scale=spec.scale,
+    )  # fmt: skip
+    if seen is not None:  # the kernel reports 0 for a row that sees nothing: make it -inf
+        lse = lse.masked_fill(~seen, -math.inf)
+    lead = qa.shape[:-1]
+    return out[..., : vb.shape[-1]].reshape(*lead, -1), lse.reshape(lead)
+
+
+def _block_backward(qa, kr, vr, do, out_rows, lse_rows, delta, mask, spec: _Spec, acc):
+    """One block's ``(dq, dk, dv)`` in ``acc``, from the whole softmax's output rows and
+    log-sum-exp (finite: 0 where a row sees nothing)."""
+    if not _fused(qa):
+        p = torch.exp(_scores(qa, kr, mask, spec, acc) - lse_rows.unsqueeze(-1))
+        dp = torch.matmul(do, vr.transpose(-1, -2))
+        ds = p * (dp - delta.unsqueeze(-1)) * spec.scale
+        return (
+            torch.matmul(ds, kr),
+            torch.matmul(ds.transpose(-1, -2), qa),
+            torch.matmul(p.transpose(-1, -2), do),
+        )
+    width = max(qa.shape[-1], vr.shape[-1])
+    add, _ = _additive(mask, spec.groups, acc, qa.device)
+    dq, dk, dv = _FLASH_BACKWARD(
+        _as4d(do, width), _as4d(qa, width), _as4d(kr, width), _as4d(vr, width),
+        _as4d(out_rows, width), lse_rows.reshape(-1, *lse_rows.shape[-2:]), 0.0, False,
+        attn_mask=add, scale=spec.scale,
+    )  # fmt: skip
+    d, dv_ = qa.shape[-1], vr.shape[-1]
+    return (
+        dq[..., :d].reshape(qa.shape),
+        dk[..., :d].reshape(kr.shape),
+        dv[..., :dv_].reshape(vr.shape),
+    )
+
+
 def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:
     """``q``: ``(..., hkv, g, L, d)``; ``k``, ``v``: ``(..., hkv, L, d)``; ``segs``: ``None``
     or (this rank's segment ids ``(..., L)``, every rank's ``(..., N * L)``). Returns ``out``
@@ -322,10 +403,9 @@ def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor
             if mask is False:
                 continue
             lo, hi = b[st.k], b[st.k + 1]
-            s = _scores(qs[st.q], kb[..., lo:hi, :], mask, spec, acc)
-            lse_b = torch.logsumexp(s, -1)
-            p = torch.exp(s - _finite(lse_b).unsqueeze(-1))
-            o_b = torch.matmul(p.to(v.dtype), vb[..., lo:hi, :]).to(acc)
+            o_b, lse_b = _block_forward(
+                qs[st.q], kb[..., lo:hi, :], vb[..., lo:hi, :], mask, spec, acc
+            )
             lse = torch.logaddexp(lses[st.q], lse_b)
             base = _finite(lse)
             outs[st.q] = outs[st.q] * torch.exp(lses[st.q] - base).unsqueeze(-1) + o_b * torch.exp(
@@ -345,9 +425,8 @@ def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
     qs = [_fold(q, b[a], b[a + 1]).to(acc) for a in chunks]
     dos = [_fold(dout, b[a], b[a + 1]).to(acc) for a in chunks]
     lses = [_finite(lse[..., b[a] : b[a + 1]].flatten(-2)) for a in chunks]
-    deltas = [
-        (do * _fold(out, b[a], b[a + 1]).to(acc)).sum(-1) for a, do in zip(chunks, dos, strict=True)
-    ]
+    outs = [_fold(out, b[a], b[a + 1]).to(acc) for a in chunks]
+    deltas = [(do * o).sum(-1) for do, o in zip(dos, outs, strict=True)]
     dqs = [torch.zeros_like(x) for x in qs]
     perm = tuple((i, (i + 1) % n) for i in range(n))
     kv = torch.cat([k, v], -1).to(acc)
@@ -366,13 +445,14 @@ def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
             if mask is False:
                 continue
             lo, hi = b[st.k], b[st.k + 1]
-            kr, vr = kb[..., lo:hi, :], vb[..., lo:hi, :]
-            p = torch.exp(_scores(qs[st.q], kr, mask, spec, acc) - lses[st.q].unsqueeze(-1))
-            dp = torch.matmul(dos[st.q], vr.transpose(-1, -2))
-            ds = p * (dp - deltas[st.q].unsqueeze(-1)) * spec.scale
-            dqs[st.q] += torch.matmul(ds, kr)
-            dkv[..., lo:hi, :dk] += torch.matmul(ds.transpose(-1, -2), qs[st.q])
-            dkv[..., lo:hi, dk:] += torch.matmul(p.transpose(-1, -2), dos[st.q])
+            a = st.q
+            dq_b, dk_b, dv_b = _block_backward(
+                qs[a], kb[..., lo:hi, :], vb[..., lo:hi, :], dos[a], outs[a], lses[a],
+                deltas[a], mask, spec, acc,
+            )  # fmt: skip
+            dqs[a] += dq_b
+            dkv[..., lo:hi, :dk] += dk_b
+            dkv[..., lo:hi, dk:] += dv_b
         raw.wait(dkv_pending)
         if incoming is not None:
             dkv += incoming
