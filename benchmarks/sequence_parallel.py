@@ -41,8 +41,14 @@ counted (all-to-alls and ring transfers), against the hybrid's formula
 ``(U - 1) / U * b * (s / N) * (2 h + 2 h_kv) * d`` (Ulysses part) ``+ 2 (R - 1) / R * b * s *
 h_kv * d / U`` (ring part), and forward + backward time.
 
+Last, efficiency on equal cores: one causal layer (8 heads), forward + backward through
+``shard_map_seq``, 2 ranks with one thread each against one process with two threads running
+fused SDPA, for S = 2048 and 4096, Ulysses and ring under each layout (medians of rounds that
+alternate between the two), and the activation memory autograd saves per rank against the
+single process.
+
     python benchmarks/sequence_parallel.py [--seq 2048] [--batch 1] [--head-size 64]
-        [--packed-only | --usp-only]
+        [--packed-only | --usp-only | --efficiency-only]
 """
 
 from __future__ import annotations
@@ -267,6 +273,85 @@ def _usp_table(args: argparse.Namespace) -> None:
             )
 
 
+def _efficiency_single(s: int, d: int, repeats: int) -> dict:
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, 8, d, generator=g, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        heads = (t.transpose(1, 2) for t in (q, k, v))
+        torch.nn.functional.scaled_dot_product_attention(*heads, is_causal=True).sum().backward()
+
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    saved = _saved(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True
+        )
+    )
+    return {"seconds": statistics.median(times), "saved": saved.item()}
+
+
+def _efficiency_ranks(s: int, d: int, attention: str, layout: str, repeats: int) -> dict:
+    ps.init_mesh({"sp": 2})
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, 8, d, generator=g, requires_grad=True) for _ in range(3))
+    fn = {"ring": ps.ring_attention, "ulysses": ps.ulysses_attention}[attention]
+    layer = ps.shard_map_seq(
+        lambda q, k, v: fn(q, k, v, causal=True),
+        in_specs=ps.Shard(1),
+        out_specs=ps.Shard(1),
+        layout=layout,
+    )
+    inside = ps.shard_map_seq(
+        lambda q, k, v: _saved(lambda: fn(q, k, v, causal=True)),
+        in_specs=ps.Shard(1),
+        out_specs=ps.Replicate(),
+        layout=layout,
+    )
+    layer(q, k, v).sum().backward()
+    seconds = _timed(lambda: layer(q, k, v).sum().backward(), repeats)
+    saved = inside(q.detach().requires_grad_(True), k, v)
+    return {"seconds": seconds, "saved": saved.item()}
+
+
+def _efficiency_table(args: argparse.Namespace) -> None:
+    d, rounds = args.head_size, 3
+    configs = [(a, lay) for a in ("ulysses", "ring") for lay in ("contiguous", "zigzag", "stripe")]
+    print()
+    print(
+        "efficiency on equal cores: one causal layer (8 heads), fwd+bwd, 2 ranks x 1 thread "
+        "against 1 process x 2 threads (fused SDPA); medians of alternating rounds"
+    )
+    print(
+        f"{'S':>5} {'attention':>9} {'layout':>10} | {'time':>9} {'1 process':>10} "
+        f"{'ratio':>6} | {'saved/rank':>11} {'vs 1 process':>12}"
+    )
+    for s in (2048, 4096):
+        times: dict = {c: [] for c in [None, *configs]}
+        saved: dict = {}
+        for _ in range(rounds):
+            one = ps.spawn(_efficiency_single, s, d, 3, nprocs=1)[0]
+            times[None].append(one["seconds"])
+            saved[None] = one["saved"]
+            for c in configs:
+                res = ps.spawn(_efficiency_ranks, s, d, *c, 3, nprocs=2)[0]
+                times[c].append(res["seconds"])
+                saved[c] = res["saved"]
+        base = statistics.median(times[None])
+        for c in configs:
+            t = statistics.median(times[c])
+            print(
+                f"{s:>5} {c[0]:>9} {c[1]:>10} | {t * 1e3:6.1f} ms {base * 1e3:7.1f} ms "
+                f"{t / base:6.2f} | {saved[c] / 2**20:8.2f} MB {saved[c] / saved[None]:12.2f}"
+            )
+
+
 def _documents(s: int, docs: int) -> torch.Tensor:
     """``(1, s)`` segment ids: ``docs`` documents of uneven lengths (a fixed draw)."""
     g = torch.Generator().manual_seed(1)
@@ -356,7 +441,13 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--packed-only", action="store_true", help="only the packed-row table")
     parser.add_argument("--usp-only", action="store_true", help="only the usp_attention table")
+    parser.add_argument(
+        "--efficiency-only", action="store_true", help="only the equal-cores efficiency table"
+    )
     args = parser.parse_args()
+    if args.efficiency_only:
+        _efficiency_table(args)
+        return
     if args.packed_only:
         _packed_table(args)
         return
@@ -384,6 +475,7 @@ def main() -> None:
     _ring_table(args)
     _packed_table(args)
     _usp_table(args)
+    _efficiency_table(args)
 
 
 if __name__ == "__main__":
