@@ -54,6 +54,7 @@ single process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -63,20 +64,41 @@ import torch.distributed as dist
 import pshard as ps
 
 
-def _layer(args: argparse.Namespace, hq: int, hkv: int, n: int) -> dict:
-    ps.init_mesh({"sp": n})
+@contextlib.contextmanager
+def _counting():
+    """Count the bytes this rank sends (all-to-alls: the part that leaves the rank; ring
+    transfers: every send) while the block runs; yields a dict whose "bytes" grows."""
     sent = {"bytes": 0}
-    original = dist.all_to_all_single
+    a2a, p2p = dist.all_to_all_single, dist.batch_isend_irecv
 
-    def counted(output, input, *a, **kw):
-        sent["bytes"] += input.numel() * input.element_size() * (n - 1) // n
-        return original(output, input, *a, **kw)
+    def counted_a2a(output, input, *a, **kw):
+        group = kw.get("group")
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        sent["bytes"] += input.numel() * input.element_size() * (size - 1) // size
+        return a2a(output, input, *a, **kw)
 
+    def counted_p2p(ops):
+        for op in ops:
+            if op.op is dist.isend:
+                sent["bytes"] += op.tensor.numel() * op.tensor.element_size()
+        return p2p(ops)
+
+    dist.all_to_all_single, dist.batch_isend_irecv = counted_a2a, counted_p2p
+    try:
+        yield sent
+    finally:
+        dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p
+
+
+def _qkv(args: argparse.Namespace, hq: int, hkv: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     b, s, d = args.batch, args.seq, args.head_size
-    q = torch.randn(b, s, hq, d, generator=g, requires_grad=True)
-    k = torch.randn(b, s, hkv, d, generator=g, requires_grad=True)
-    v = torch.randn(b, s, hkv, d, generator=g, requires_grad=True)
+    return [torch.randn(b, s, h, d, generator=g, requires_grad=True) for h in (hq, hkv, hkv)]
+
+
+def _layer(args: argparse.Namespace, hq: int, hkv: int, n: int) -> dict:
+    ps.init_mesh({"sp": n})
+    q, k, v = _qkv(args, hq, hkv)
     attention = ps.shard_map_seq(
         lambda q, k, v: ps.ulysses_attention(q, k, v, causal=True),
         in_specs=ps.Shard(1),
@@ -87,14 +109,11 @@ def _layer(args: argparse.Namespace, hq: int, hkv: int, n: int) -> dict:
         in_specs=ps.Shard(1),
         out_specs=ps.Replicate(),
     )
-    dist.all_to_all_single = counted
-    try:
+    with _counting() as sent:
         out = attention(q, k, v)
         forward = sent["bytes"]
         out.backward(torch.ones_like(out))
         backward = sent["bytes"] - forward
-    finally:
-        dist.all_to_all_single = original
     saved = inside(q.detach().requires_grad_(True), k, v)
     return {"forward": forward, "backward": backward, "saved": int(saved)}
 
@@ -128,20 +147,7 @@ def _timed(run, repeats: int = 3) -> float:
 
 def _ring_layer(args: argparse.Namespace, hq: int, hkv: int, n: int) -> dict:
     ps.init_mesh({"sp": n})
-    sent = {"bytes": 0}
-    original = dist.batch_isend_irecv
-
-    def counted(ops):
-        for op in ops:
-            if op.op is dist.isend:
-                sent["bytes"] += op.tensor.numel() * op.tensor.element_size()
-        return original(ops)
-
-    g = torch.Generator().manual_seed(0)
-    b, s, d = args.batch, args.seq, args.head_size
-    q = torch.randn(b, s, hq, d, generator=g, requires_grad=True)
-    k = torch.randn(b, s, hkv, d, generator=g, requires_grad=True)
-    v = torch.randn(b, s, hkv, d, generator=g, requires_grad=True)
+    q, k, v = _qkv(args, hq, hkv)
     out = {}
     for layout in ("contiguous", "zigzag", "stripe"):
         layer = ps.shard_map_seq(
@@ -150,15 +156,11 @@ def _ring_layer(args: argparse.Namespace, hq: int, hkv: int, n: int) -> dict:
             out_specs=ps.Shard(1),
             layout=layout,
         )
-        dist.batch_isend_irecv = counted
-        try:
-            sent["bytes"] = 0
+        with _counting() as sent:
             y = layer(q, k, v)
             forward = sent["bytes"]
             y.backward(torch.ones_like(y))
             backward = sent["bytes"] - forward
-        finally:
-            dist.batch_isend_irecv = original
         seconds = _timed(lambda: layer(q, k, v).sum().backward())  # noqa: B023
         out[layout] = {"forward": forward, "backward": backward, "seconds": seconds}
     ulysses = ps.shard_map_seq(
@@ -200,26 +202,7 @@ def _ring_table(args: argparse.Namespace) -> None:
 
 def _usp_layer(args: argparse.Namespace, hq: int, hkv: int) -> dict:
     ps.init_mesh({"ring": 2, "uly": 2})
-    sent = {"bytes": 0}
-    a2a, p2p = dist.all_to_all_single, dist.batch_isend_irecv
-
-    def counted_a2a(output, input, *a, **kw):
-        group = kw.get("group")
-        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        sent["bytes"] += input.numel() * input.element_size() * (size - 1) // size
-        return a2a(output, input, *a, **kw)
-
-    def counted_p2p(ops):
-        for op in ops:
-            if op.op is dist.isend:
-                sent["bytes"] += op.tensor.numel() * op.tensor.element_size()
-        return p2p(ops)
-
-    g = torch.Generator().manual_seed(0)
-    b, s, d = args.batch, args.seq, args.head_size
-    q = torch.randn(b, s, hq, d, generator=g, requires_grad=True)
-    k = torch.randn(b, s, hkv, d, generator=g, requires_grad=True)
-    v = torch.randn(b, s, hkv, d, generator=g, requires_grad=True)
+    q, k, v = _qkv(args, hq, hkv)
     axis = ("ring", "uly")
     bodies = {
         "usp": lambda q, k, v: ps.usp_attention(
@@ -233,13 +216,9 @@ def _usp_layer(args: argparse.Namespace, hq: int, hkv: int) -> dict:
         layer = ps.shard_map_seq(
             body, axis=axis, in_specs=ps.Shard(1), out_specs=ps.Shard(1), layout="zigzag"
         )
-        dist.all_to_all_single, dist.batch_isend_irecv = counted_a2a, counted_p2p
-        try:
-            sent["bytes"] = 0
+        with _counting() as sent:
             layer(q, k, v)
             forward = sent["bytes"]
-        finally:
-            dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p
         seconds = _timed(lambda: layer(q, k, v).sum().backward())  # noqa: B023
         out[name] = {"forward": forward, "seconds": seconds}
     return out
