@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import _comm as raw
+from . import _ops
 from ._checks import check_int, normalize_dim
 from ._comm import Comm as _Comm
 from ._comm import Perm
@@ -66,7 +67,11 @@ except ImportError:  # pragma: no cover - other torch versions: always the plain
 def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)``. With no ``torch.func`` transform active, skip ``Function.apply``'s
     binding of default arguments through ``inspect.signature`` (about 20 us a call; every
-    argument here is positional, so there is nothing to bind) and do the rest of what it does."""
+    argument here is positional, so there is nothing to bind) and do the rest of what it does.
+    While dynamo traces, a plain ``apply`` (the graph breaks inside ``torch.func`` transforms,
+    see :func:`_collective`)."""
+    if torch.compiler.is_compiling():
+        return _eager(fn, *args) if torch._C._are_functorch_transforms_active() else fn.apply(*args)
     if _unwrap_dead is None or _transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*_unwrap_dead(args))
@@ -76,6 +81,15 @@ def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
 #
 # Every rule below calls a Function (through `_call`), never a raw collective, so that it can
 # itself be differentiated, batched or pushed forward by an outer transform.
+
+
+def _eager_rules(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Keep dynamo out of ``cls``'s rules. They run eagerly by design (a compiled region uses
+    the ops of ``_ops.py``), yet the autograd engine and ``torch.func`` call them from inside
+    a compiled function's eager parts, where dynamo would compile each frame again per shape."""
+    for name in ("forward", "backward", "jvp", "vmap"):
+        setattr(cls, name, staticmethod(torch._dynamo.disable(getattr(cls, name), recursive=True)))
+    return cls
 
 
 def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
@@ -90,6 +104,7 @@ def _out_dim(bdim: int | None) -> int | None:
     return None if bdim is None else 0
 
 
+@_eager_rules
 class _PSum(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm) -> torch.Tensor:
@@ -112,6 +127,7 @@ class _PSum(torch.autograd.Function):
         return _call(_PSum, _front(x, in_dims[0]), c), _out_dim(in_dims[0])
 
 
+@_eager_rules
 class _PExtreme(torch.autograd.Function):
     """pmax (op="pmax") or pmin (op="pmin")."""
 
@@ -146,6 +162,7 @@ class _PExtreme(torch.autograd.Function):
         return _call(_PExtreme, _front(x, in_dims[0]), c, op), _out_dim(in_dims[0])
 
 
+@_eager_rules
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
@@ -171,6 +188,7 @@ class _AllGather(torch.autograd.Function):
         return _call(_AllGather, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
 
 
+@_eager_rules
 class _PSumScatter(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
@@ -196,6 +214,7 @@ class _PSumScatter(torch.autograd.Function):
         return _call(_PSumScatter, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
 
 
+@_eager_rules
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -227,6 +246,7 @@ class _AllToAll(torch.autograd.Function):
         return out, _out_dim(in_dims[0])
 
 
+@_eager_rules
 class _PPermute(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, perm: Perm) -> torch.Tensor:
@@ -250,6 +270,7 @@ class _PPermute(torch.autograd.Function):
         return _call(_PPermute, _front(x, in_dims[0]), c, perm), _out_dim(in_dims[0])
 
 
+@_eager_rules
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, src: int) -> torch.Tensor:
@@ -272,6 +293,7 @@ class _Broadcast(torch.autograd.Function):
         return _call(_Broadcast, _front(x, in_dims[0]), c, src), _out_dim(in_dims[0])
 
 
+@_eager_rules
 class _Reduce(torch.autograd.Function):
     """Sum to rank ``dst`` (zeros elsewhere): the transpose of broadcast."""
 
@@ -294,6 +316,41 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dst: int) -> Any:
         return _call(_Reduce, _front(x, in_dims[0]), c, dst), _out_dim(in_dims[0])
+
+
+# --- under torch.compile -------------------------------------------------------------------------
+#
+# A collective becomes one custom op of the graph (pshard._ops), with the Comm traced as a constant
+# whose key the op resolves again when it runs. torch.func transforms traced by dynamo would get
+# wrong tangents from a Function's custom jvp and have no rules for a custom op, so inside one the
+# graph breaks and the transform runs eagerly, with the rules above.
+
+_COLLECTIVES: dict[str, tuple[Any, Callable[..., torch.Tensor], Callable[..., tuple]]] = {
+    "psum": (_PSum, _ops.psum, lambda: ()),
+    "pextreme": (_PExtreme, _ops.pextreme, lambda op: (op,)),
+    "all_gather": (_AllGather, _ops.all_gather, lambda dim, tiled: (dim, tiled)),
+    "psum_scatter": (_PSumScatter, _ops.psum_scatter, lambda dim, tiled: (dim, tiled)),
+    "all_to_all": (_AllToAll, _ops.all_to_all, lambda split, concat: (split, concat)),
+    "ppermute": (_PPermute, _ops.ppermute, lambda perm: ([i for pair in perm for i in pair],)),
+    "broadcast": (_Broadcast, _ops.broadcast, lambda src: (src,)),
+}
+
+
+def _collective(name: str, x: torch.Tensor, c: _Comm, *rest: Any) -> torch.Tensor:
+    """Collective ``name`` of ``x`` over ``c``: its Function in eager code, its op (one node of
+    the graph) while dynamo traces."""
+    fn, op, extra = _COLLECTIVES[name]
+    if not torch.compiler.is_compiling():
+        return _call(fn, x, c, *rest)
+    if torch._C._are_functorch_transforms_active():
+        return _eager(fn, x, c, *rest)
+    return op(x, c.key, c.size, c.rank, *extra(*rest))
+
+
+@torch._dynamo.disable(recursive=True)
+def _eager(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` outside the graph (a graph break), rules and all."""
+    return fn.apply(*args)
 
 
 # --- the public functions -------------------------------------------------------------------------
@@ -357,7 +414,9 @@ def psum(x: T, axis: Axis) -> T:
         {'a': tensor([1., 1.])}
     """
     c = _comm(axis, "psum")
-    return _map_leaves("psum", c, x, lambda t, _: t if c.group is None else _call(_PSum, t, c))
+    return _map_leaves(
+        "psum", c, x, lambda t, _: t if c.group is None else _collective("psum", t, c)
+    )
 
 
 def pmean(x: T, axis: Axis) -> T:
@@ -375,7 +434,7 @@ def pmean(x: T, axis: Axis) -> T:
 
     def one(t: torch.Tensor, _: Any) -> torch.Tensor:
         if c.group is not None:
-            return _call(_PSum, t, c) / c.size
+            return _collective("psum", t, c) / c.size
         # one rank: the identity, but integer inputs still give a float mean
         return t if t.is_floating_point() or t.is_complex() else t / 1
 
@@ -396,7 +455,7 @@ def pmax(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmax")
     return _map_leaves(
-        "pmax", c, x, lambda t, _: t if c.group is None else _call(_PExtreme, t, c, "pmax")
+        "pmax", c, x, lambda t, _: t if c.group is None else _collective("pextreme", t, c, "pmax")
     )
 
 
@@ -411,7 +470,7 @@ def pmin(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmin")
     return _map_leaves(
-        "pmin", c, x, lambda t, _: t if c.group is None else _call(_PExtreme, t, c, "pmin")
+        "pmin", c, x, lambda t, _: t if c.group is None else _collective("pextreme", t, c, "pmin")
     )
 
 
@@ -435,7 +494,7 @@ def all_gather(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
         d = normalize_dim("all_gather", "dim", dim, t, what=path, extra=0 if tiled else 1)
         if c.group is None:
             return t if tiled else t.unsqueeze(d)
-        return _call(_AllGather, t, c, d, bool(tiled))
+        return _collective("all_gather", t, c, d, bool(tiled))
 
     return _map_leaves("all_gather", c, x, one)
 
@@ -468,7 +527,7 @@ def psum_scatter(x: T, axis: Axis, *, dim: int = 0, tiled: bool = True) -> T:
             )
         if c.group is None:
             return t if tiled else t.select(d, 0)
-        return _call(_PSumScatter, t, c, d, bool(tiled))
+        return _collective("psum_scatter", t, c, d, bool(tiled))
 
     return _map_leaves("psum_scatter", c, x, one)
 
@@ -495,7 +554,7 @@ def all_to_all(x: T, axis: Axis, *, split_dim: int, concat_dim: int) -> T:
         if c.group is None:
             return t
         _divisible("all_to_all", "split_dim", s, t, path, c.size, c.name)
-        return _call(_AllToAll, t, c, s, k)
+        return _collective("all_to_all", t, c, s, k)
 
     return _map_leaves("all_to_all", c, x, one)
 
@@ -544,7 +603,7 @@ def ppermute(x: T, axis: Axis, perm: Sequence[tuple[int, int]]) -> T:
     pairs = _check_perm(perm, c.size, c.name)
     if c.group is None and pairs:
         return x
-    return _map_leaves("ppermute", c, x, lambda t, _: _call(_PPermute, t, c, pairs))
+    return _map_leaves("ppermute", c, x, lambda t, _: _collective("ppermute", t, c, pairs))
 
 
 def broadcast(x: T, axis: Axis, *, src: int = 0) -> T:
@@ -567,7 +626,7 @@ def broadcast(x: T, axis: Axis, *, src: int = 0) -> T:
             f"0..{c.size - 1}"
         )
     return _map_leaves(
-        "broadcast", c, x, lambda t, _: t if c.group is None else _call(_Broadcast, t, c, s)
+        "broadcast", c, x, lambda t, _: t if c.group is None else _collective("broadcast", t, c, s)
     )
 
 

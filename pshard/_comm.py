@@ -8,6 +8,7 @@ handed to the backend flattened to one dim, which every backend accepts for ever
 
 from __future__ import annotations
 
+import json
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +28,9 @@ class Comm(NamedTuple):
 
     ``rank`` and every index a caller passes (``perm``, ``src``, ``dst``, block positions) are
     indices on the axis; ``order[i]`` is the group rank of index ``i`` when the two differ
-    (:class:`pshard._mesh.AxisInfo`), and the functions below translate."""
+    (:class:`pshard._mesh.AxisInfo`), and the functions below translate. ``key`` names the axis
+    as a string for the compiled collectives (:mod:`pshard._ops`); it is set only while
+    ``torch.compile`` traces, empty otherwise."""
 
     group: dist.ProcessGroup | None
     size: int
@@ -35,11 +38,59 @@ class Comm(NamedTuple):
     name: str
     debug: bool
     order: tuple[int, ...] | None = None
+    key: str = ""
 
 
 def comm(axis: Axis, fn: str) -> Comm:
+    """Resolve ``axis`` in the current mesh. While ``torch.compile`` traces, the result is a
+    constant of the trace, with its ``key`` (the compiled collectives resolve the key again
+    when they run and check that it still gives this size and index)."""
+    if torch.compiler.is_compiling():
+        return _traced_comm(axis, fn)
+    return _resolve(axis, fn)
+
+
+def _resolve(axis: Axis, fn: str) -> Comm:
     info = resolve_axis(axis, fn=fn)
     return Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
+
+
+@torch.compiler.assume_constant_result
+def _traced_comm(axis: Axis, fn: str) -> Comm:
+    # Context variables (the current mesh) cannot be read by the tracer: resolve here, in plain
+    # Python, and let the trace hold the result; running the graph checks it (comm_at_run).
+    return _resolve(axis, fn)._replace(key=axis_key(axis))
+
+
+def axis_key(axis: Axis) -> str:
+    """``axis`` as a string: a JSON list of mesh-axis names, or ``{"group": name}``."""
+    if isinstance(axis, dist.ProcessGroup):
+        return json.dumps({"group": axis.group_name})
+    return json.dumps([axis] if isinstance(axis, str) else list(axis))
+
+
+def comm_at_run(key: str, size: int, rank: int, fn: str) -> Comm:
+    """Resolve an :func:`axis_key` when a compiled collective runs, in the current mesh.
+
+    Raises:
+        RuntimeError: the axis now has another size, or this rank another index on it, than
+            when the function was traced (its shapes and its rank-dependent code would be wrong).
+    """
+    spec = json.loads(key)
+    axis: Axis
+    if isinstance(spec, dict):
+        axis = dist.distributed_c10d._resolve_process_group(spec["group"])
+    else:
+        axis = spec[0] if len(spec) == 1 else tuple(spec)
+    c = _resolve(axis, fn)
+    if (c.size, c.rank) != (size, rank):
+        raise RuntimeError(
+            f"{fn}: this compiled function was traced with axis {c.name!r} of size {size} and "
+            f"this rank at index {rank}, but the current mesh gives size {c.size} and index "
+            f"{c.rank}; a compiled function is specialised to the mesh it was traced in: "
+            f"compile it again for this mesh (torch._dynamo.reset(), or a new torch.compile)"
+        )
+    return c
 
 
 def _peer(c: Comm, index: int) -> int:

@@ -1,8 +1,10 @@
 """The device mesh: creating it, making it current, and resolving axis names to process groups.
 
 The mesh is a plain :class:`torch.distributed.device_mesh.DeviceMesh` with ``mesh_dim_names``;
-pshard adds no mesh class. The current mesh lives in a context variable, so it is restored on
-exit from :func:`use_mesh` and is private to each thread and task.
+pshard adds no mesh class and writes nothing into it. The current mesh lives in a context
+variable, so it is restored on exit from :func:`use_mesh` and is private to each thread and task;
+beside it the context holds the axes already resolved in that mesh (a mesh's groups and this
+rank's place in them never change), so a collective pays one dict lookup, not a group lookup.
 """
 
 from __future__ import annotations
@@ -23,9 +25,24 @@ from ._checks import axis_names
 
 __all__ = ["init_mesh", "use_mesh", "current_mesh", "AxisInfo", "resolve_axis"]
 
-_CURRENT_MESH: contextvars.ContextVar[DeviceMesh | None] = contextvars.ContextVar(
+
+class _Scope(NamedTuple):
+    """The current mesh and the axes resolved in it (axis -> AxisInfo)."""
+
+    mesh: DeviceMesh
+    axes: dict
+
+
+_CURRENT_MESH: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
     "pshard_current_mesh", default=None
 )
+
+
+def _scope_for(mesh: DeviceMesh) -> _Scope:
+    """A scope for ``mesh``: the current one when it holds the same mesh (its cache is kept)."""
+    scope = _CURRENT_MESH.get()
+    return scope if scope is not None and scope.mesh is mesh else _Scope(mesh, {})
+
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -125,7 +142,7 @@ def init_mesh(shape: dict[str, int] | None = None, *, backend: str | None = None
         if created:  # leave no half-made state behind
             dist.destroy_process_group()
         raise
-    _CURRENT_MESH.set(mesh)
+    _CURRENT_MESH.set(_Scope(mesh, {}))
     return mesh
 
 
@@ -165,7 +182,7 @@ def use_mesh(mesh: DeviceMesh) -> Iterator[DeviceMesh]:
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"use_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
-    token = _CURRENT_MESH.set(mesh)
+    token = _CURRENT_MESH.set(_scope_for(mesh))
     try:
         yield mesh
     finally:
@@ -178,13 +195,13 @@ def current_mesh() -> DeviceMesh:
     Raises:
         RuntimeError: when there is none.
     """
-    mesh = _CURRENT_MESH.get()
-    if mesh is None:
+    scope = _CURRENT_MESH.get()
+    if scope is None:
         raise RuntimeError(
             "pshard: no current mesh; create one with ps.init_mesh({...}) or enter "
             "ps.use_mesh(mesh)"
         )
-    return mesh
+    return scope.mesh
 
 
 class AxisInfo(NamedTuple):
@@ -216,10 +233,13 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
     if isinstance(axis, dist.ProcessGroup):
         size = dist.get_world_size(axis)
         return AxisInfo(axis if size > 1 else None, size, dist.get_rank(axis), f"group{size}")
-    mesh = current_mesh() if mesh is None else mesh
-    # Resolved axes are cached on the mesh object itself (a mesh's groups and this rank's place
-    # in them never change), so a collective pays one dict lookup, not a group lookup.
-    cache = mesh.__dict__.setdefault("_pshard_axes", {})
+    scope = _CURRENT_MESH.get()
+    if mesh is None:
+        if scope is None:
+            current_mesh()  # raises: no mesh
+        mesh = scope.mesh
+    # axes resolved in the current mesh are cached in its scope; another mesh resolves afresh
+    cache = scope.axes if scope is not None and scope.mesh is mesh else {}
     key = (
         axis
         if isinstance(axis, str)

@@ -58,8 +58,15 @@ def _shape(x: Any) -> tuple[int, ...]:
 
 def _is_tracked(t: torch.Tensor) -> bool:
     """Whether ``t`` takes part in autograd or a ``torch.func`` transform (so it must not be
-    written in place)."""
-    return t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)
+    written in place). While ``torch.compile`` traces, every tensor counts as tracked: the
+    accumulators are then updated out of place (the compiler reuses the memory), since
+    in-place updates of an accumulator carried across graph breaks came back lost (a wrong
+    mean, no error) under torch 2.13's AOT backends."""
+    return (
+        torch.compiler.is_compiling()
+        or t.requires_grad
+        or torch._C._functorch.is_functorch_wrapped_tensor(t)
+    )
 
 
 def _is_leaf(x: Any) -> bool:
