@@ -25,6 +25,8 @@ Internal interface (used by the sequence transforms):
   ``local_length``, ``num_pad``, ``positions(rank)``, ``is_pad(rank)``, ``permutation()``,
   ``inverse()`` and their tensor forms ``position_tensor(rank, device)`` (``rank=None``: the
   whole permuted order).
+- ``SeqLayout.runs(rank)``: a rank's positions as strided runs, for copies without index
+  tensors.
 - ``pad_permute(x, dim, layout, value)``: the padded, permuted whole tensor (differentiable);
   slicing it in ``size`` equal blocks along ``dim`` gives each rank its tokens.
 - ``unpermute_unpad(y, dim, layout)``: the inverse (differentiable).
@@ -119,6 +121,18 @@ class SeqLayout:
         positions ``>= length`` are padding."""
         return _positions(self.kind, self.padded_length, self.size, self._rank(rank))
 
+    def runs(self, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+        """``rank``'s positions as runs ``(local start, first position, count, stride)``:
+        local tokens ``local start + j`` hold positions ``first position + j * stride`` for
+        ``j < count``. One run for contiguous and stripe, two for zigzag.
+
+        Example:
+            >>> from pshard.sequence._layouts import SeqLayout
+            >>> SeqLayout("zigzag", 8, 2).runs(0), SeqLayout("stripe", 8, 2).runs(1)
+            (((0, 0, 2, 1), (2, 6, 2, 1)), ((0, 1, 4, 2),))
+        """
+        return _runs(self.kind, self.padded_length, self.size, self._rank(rank))
+
     def is_pad(self, rank: int) -> tuple[bool, ...]:
         """For each of ``rank``'s tokens, whether it is padding."""
         return tuple(p >= self.length for p in self.positions(rank))
@@ -160,6 +174,17 @@ def _positions(kind: str, padded: int, size: int, rank: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=512)
+def _runs(kind: str, padded: int, size: int, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+    local = padded // size
+    if kind == "contiguous":
+        return ((0, rank * local, local, 1),)
+    if kind == "stripe":
+        return ((0, rank, local, size),)
+    chunk = local // 2
+    return ((0, rank * chunk, chunk, 1), (chunk, (2 * size - 1 - rank) * chunk, chunk, 1))
+
+
+@functools.lru_cache(maxsize=512)
 def _permutation(kind: str, padded: int, size: int) -> tuple[int, ...]:
     return tuple(p for r in range(size) for p in _positions(kind, padded, size, r))
 
@@ -186,12 +211,94 @@ def _index_tensor(
 
 
 # --------------------------------------------------------------------------- tensor forms
+#
+# Both directions copy run by run (SeqLayout.runs: one strided slice per run, no index tensor),
+# and each is the other's transpose, so no backward pass scatters into a zero-filled buffer.
+
+
+def _along(x: torch.Tensor, dim: int, first: int, count: int, stride: int) -> torch.Tensor:
+    """Entries ``first + j * stride`` (``j < count``) of ``x`` along ``dim``, a view."""
+    return x[(slice(None),) * dim + (slice(first, first + stride * (count - 1) + 1, stride),)]
+
+
+def _permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = layout.padded_length
+    out = x.new_empty(shape)
+    for r in range(layout.size):
+        base = r * layout.local_length
+        for local, first, count, stride in layout.runs(r):
+            real = max(0, min(count, -(-(layout.length - first) // stride)))
+            if real:
+                out.narrow(dim, base + local, real).copy_(_along(x, dim, first, real, stride))
+            if real < count:
+                out.narrow(dim, base + local + real, count - real).fill_(value)
+    return out
+
+
+def _unpermute(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
+    shape = list(y.shape)
+    shape[dim] = layout.length
+    out = y.new_empty(shape)
+    for r in range(layout.size):
+        base = r * layout.local_length
+        for local, first, count, stride in layout.runs(r):
+            real = max(0, min(count, -(-(layout.length - first) // stride)))
+            if real:
+                _along(out, dim, first, real, stride).copy_(y.narrow(dim, base + local, real))
+    return out
+
+
+class _PadPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.Tensor:  # type: ignore[override]
+        return _permute(x, dim, layout, value)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dim, ctx.layout = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _Unpermute.apply(g, ctx.dim, ctx.layout), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _PadPermute.apply(t, ctx.dim, ctx.layout, 0)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, dim: int, layout: SeqLayout, value: Any):
+        x = x.movedim(in_dims[0], 0)
+        return _PadPermute.apply(x, dim + 1, layout, value), 0
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:  # type: ignore[override]
+        return _unpermute(y, dim, layout)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dim, ctx.layout = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _PadPermute.apply(g, ctx.dim, ctx.layout, 0), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _Unpermute.apply(t, ctx.dim, ctx.layout)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, y: torch.Tensor, dim: int, layout: SeqLayout):
+        return _Unpermute.apply(y.movedim(in_dims[0], 0), dim + 1, layout), 0
 
 
 def pad_permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any = 0) -> torch.Tensor:
     """``x`` (``layout.length`` long along ``dim``) padded with ``value`` to
     ``layout.padded_length`` and put in the permuted order; block ``r`` of ``size`` equal blocks
-    along ``dim`` is then rank ``r``'s part. Differentiable; a view-free copy only where needed.
+    along ``dim`` is then rank ``r``'s part. Differentiable (its transpose is
+    :func:`unpermute_unpad`); ``x`` itself when there is nothing to do.
 
     Example:
         >>> import torch
@@ -199,18 +306,23 @@ def pad_permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any = 0) ->
         >>> pad_permute(torch.arange(5), 0, SeqLayout("stripe", 5, 2), -1)
         tensor([ 0,  2,  4,  1,  3, -1])
     """
-    if layout.num_pad:
-        pad = [0, 0] * (x.dim() - 1 - dim) + [0, layout.num_pad]
-        x = F.pad(x, pad, value=value)
+    dim = dim % x.dim()
     if layout.kind == "contiguous" or layout.size == 1:
-        return x
-    index = _index_tensor(layout.kind, layout.padded_length, layout.size, None, x.device)
-    return x.index_select(dim, index)
+        if not layout.num_pad:
+            return x
+        return F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, layout.num_pad], value=value)
+    if torch.compiler.is_compiling():  # one traceable index_select
+        if layout.num_pad:
+            x = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, layout.num_pad], value=value)
+        index = _index_tensor(layout.kind, layout.padded_length, layout.size, None, x.device)
+        return x.index_select(dim, index)
+    return _PadPermute.apply(x, dim, layout, value)
 
 
 def unpermute_unpad(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
     """The inverse of :func:`pad_permute`: ``y`` in the permuted order along ``dim``
-    (``layout.padded_length`` long) back in sequence order, padding removed.
+    (``layout.padded_length`` long) back in sequence order, padding removed. Differentiable (its
+    transpose is :func:`pad_permute` with zeros).
 
     Example:
         >>> import torch
@@ -218,7 +330,10 @@ def unpermute_unpad(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tenso
         >>> unpermute_unpad(torch.tensor([0, 2, 4, 1, 3, -1]), 0, SeqLayout("stripe", 5, 2))
         tensor([0, 1, 2, 3, 4])
     """
-    if layout.kind != "contiguous" and layout.size > 1:
+    dim = dim % y.dim()
+    if layout.kind == "contiguous" or layout.size == 1:
+        return y.narrow(dim, 0, layout.length) if layout.num_pad else y
+    if torch.compiler.is_compiling():
         index = _index_tensor(layout.kind, layout.padded_length, layout.size, -1, y.device)
         return y.index_select(dim, index[: layout.length] if layout.num_pad else index)
-    return y.narrow(dim, 0, layout.length) if layout.num_pad else y
+    return _Unpermute.apply(y, dim, layout)

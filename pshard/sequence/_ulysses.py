@@ -4,10 +4,11 @@ sequence, all-to-all back.
 Under any layout the all-to-all hands each rank every token of its heads in the *permuted* order
 (every rank's tokens in rank order). Rather than masking by position in that order (a dense
 ``seq x seq`` mask, too big for the long sequences sequence parallelism is for), the tokens are
-put back in sequence order and the padding is dropped (one ``index_select``, or nothing for an
-unpadded contiguous layout), so the attention itself is plain full or causal attention over the
-true sequence, and any fast kernel applies. The output is padded and permuted back before the
-second all-to-all; padded tokens get zeros and never act as keys.
+put back in sequence order and the padding is dropped as they leave the all-to-all's receive
+buffer (:mod:`pshard.sequence._exchange`: strided copies, no index tensors), so the attention
+itself is plain full or causal attention over the true sequence, and any fast kernel applies.
+The output is padded and permuted back as it enters the second all-to-all's send buffer;
+padded tokens get zeros and never act as keys.
 
 Segment ids and sliding windows (:mod:`pshard.sequence._masks`) need a mask over the whole
 sequence: the ids of every token are gathered once per call (one small all-gather of ints),
@@ -26,10 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import _comm as raw
-from .._mesh import Axis, resolve_axis
+from .._mesh import Axis
 from ._context import context_scope
-from ._heads import heads_to_seq, seq_to_heads
-from ._layouts import SeqLayout, pad_permute, unpermute_unpad
+from ._exchange import heads_to_tokens, tokens_to_heads
+from ._heads import seq_to_heads
+from ._layouts import SeqLayout, unpermute_unpad
 from ._masks import Window, position_mask, segment_mask
 from ._qkv import AttentionArgs, attention_args, repeat_kv, token_layout
 
@@ -185,21 +187,20 @@ def ulysses_attention(
 
 def _ulysses(q, k, v, axis, causal, attn_fn, scale, a: AttentionArgs):
     sd, hd, hq, hkv, win, seg, ctx = a
-    info = resolve_axis(axis, fn=_FN)
-    n = info.size
+    c = raw.comm(axis, _FN)
+    n = c.size
     if hq % n:
         raise ValueError(
             f"{_FN}: q has {hq} heads (head_dim={hd}, shape {tuple(q.shape)}), which do not "
-            f"divide by the size {n} of axis {info.name!r}; Ulysses attention gives every rank "
+            f"divide by the size {n} of axis {c.name!r}; Ulysses attention gives every rank "
             f"heads / {n} query heads: use a head count divisible by {n}, or a smaller axis"
         )
     layout = token_layout(_FN, ctx, n, q, sd)
     if attn_fn is None:
         attn_fn = F.scaled_dot_product_attention
     k, v = repeat_kv(k, v, n, hd)
-    qh, kh, vh = _exchange(q, k, v, axis, n, sd, hd)
-    # (..., heads / N, padded seq in permuted order, size) -> sequence order, padding dropped
-    qh, kh, vh = (unpermute_unpad(t.movedim((hd, sd), (-3, -2)), -2, layout) for t in (qh, kh, vh))
+    # (..., heads / N, seq, size) in sequence order, padding dropped
+    qh, kh, vh = tokens_to_heads(layout, c, sd, hd, q, k, v)
     gqa = hq != k.shape[hd]
     if layout.length and (seg is not None or win is not None):
         mask = _mask(seg, layout, causal, win, axis, q.device)
@@ -212,5 +213,4 @@ def _ulysses(q, k, v, axis, causal, attn_fn, scale, a: AttentionArgs):
         out = attn_fn(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=gqa)
     else:  # an empty sequence: nothing to attend to
         out = qh.new_zeros((*qh.shape[:-1], vh.shape[-1]))
-    out = pad_permute(out, out.dim() - 2, layout, 0.0).movedim((-3, -2), (hd, sd))
-    return heads_to_seq(out, axis, seq_dim=sd, head_dim=hd)
+    return heads_to_tokens(layout, c, sd, hd, out)[0]
