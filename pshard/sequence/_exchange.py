@@ -66,17 +66,22 @@ def _all_to_all(send: torch.Tensor, c: Comm) -> torch.Tensor:
 
 
 def _tokens(x: torch.Tensor, start: int, count: int, stride: int) -> torch.Tensor:
-    """Tokens ``start + j * stride`` (``j < count``) of ``x`` (tokens on dim -2), a view."""
-    return x[..., start : start + stride * (count - 1) + 1 : stride, :]
+    """Tokens ``start + j * stride`` (``j < count``) of ``x`` (tokens on dim -3), a view."""
+    return x[..., start : start + stride * (count - 1) + 1 : stride, :, :]
+
+
+# The blocks in the buffers are token-major, (batch..., tokens, heads / N, size): packing is a
+# copy of runs of whole heads, and the attention tensors are transposed views of token-major
+# memory, the layout the CPU and CUDA fused kernels read (and write their outputs in).
 
 
 def _to_heads(layout: SeqLayout, c: Comm, sd: int, hd: int, ts: tuple) -> tuple:
     n = c.size
-    canon = [t.movedim((hd, sd), (-3, -2)) for t in ts]  # (batch..., heads, L, size)
-    shapes = [(*x.shape[:-3], x.shape[-3] // n, *x.shape[-2:]) for x in canon]
+    tokens_major = [t.movedim((sd, hd), (-3, -2)) for t in ts]  # (batch..., L, heads, size)
+    shapes = [(*x.shape[:-2], x.shape[-2] // n, x.shape[-1]) for x in tokens_major]
     send, parts = _buffers(shapes, c, ts[0])
-    for x, part in zip(canon, parts, strict=True):
-        blocks = x.unflatten(-3, (n, -1)).movedim(-4, 0)  # (N, batch..., heads / N, L, size)
+    for x, part in zip(tokens_major, parts, strict=True):
+        blocks = x.unflatten(-2, (n, -1)).movedim(-3, 0)  # (N, batch..., L, heads / N, size)
         if c.order is None:
             part.copy_(blocks)
         else:
@@ -85,20 +90,22 @@ def _to_heads(layout: SeqLayout, c: Comm, sd: int, hd: int, ts: tuple) -> tuple:
     recv = _all_to_all(send, c)
     outs = []
     for part, shape in zip(_parts(recv, shapes), shapes, strict=True):
-        out = part.new_empty((*shape[:-2], layout.padded_length, shape[-1]))
+        out = part.new_empty((*shape[:-3], layout.padded_length, *shape[-2:]))
         for i in range(n):
             block = part[_slot(c, i)]
             for local, first, count, stride in layout.runs(i):
                 if count:
-                    _tokens(out, first, count, stride).copy_(block[..., local : local + count, :])
-        outs.append(out.narrow(-2, 0, layout.length) if layout.num_pad else out)
+                    _tokens(out, first, count, stride).copy_(_tokens(block, local, count, 1))
+        if layout.num_pad:
+            out = out.narrow(-3, 0, layout.length)
+        outs.append(out.transpose(-3, -2))
     return tuple(outs)
 
 
-def _token_shape(batch: Shape, heads: int, length: int, size: int, sd: int, hd: int) -> Shape:
-    """The shape, in the caller's dim order, of ``(batch..., heads, length, size)``."""
+def _token_shape(batch: Shape, length: int, heads: int, size: int, sd: int, hd: int) -> Shape:
+    """The shape, in the caller's dim order, of ``(batch..., length, heads, size)``."""
     shape = [0] * (len(batch) + 3)
-    shape[hd], shape[sd], shape[-1] = heads, length, size
+    shape[sd], shape[hd], shape[-1] = length, heads, size
     rest = iter(batch)
     for d in range(len(shape) - 1):
         if d not in (hd, sd):
@@ -108,7 +115,8 @@ def _token_shape(batch: Shape, heads: int, length: int, size: int, sd: int, hd: 
 
 def _to_tokens(layout: SeqLayout, c: Comm, sd: int, hd: int, hs: tuple) -> tuple:
     n, local_length = c.size, layout.local_length
-    shapes = [(*h.shape[:-2], local_length, h.shape[-1]) for h in hs]
+    hs = tuple(h.transpose(-3, -2) for h in hs)  # (batch..., seq, heads / N, size)
+    shapes = [(*h.shape[:-3], local_length, *h.shape[-2:]) for h in hs]
     send, parts = _buffers(shapes, c, hs[0])
     for h, part in zip(hs, parts, strict=True):
         for i in range(n):
@@ -116,15 +124,15 @@ def _to_tokens(layout: SeqLayout, c: Comm, sd: int, hd: int, hs: tuple) -> tuple
             for local, first, count, stride in layout.runs(i):
                 real = max(0, min(count, -(-(layout.length - first) // stride)))
                 if real:
-                    block[..., local : local + real, :].copy_(_tokens(h, first, real, stride))
+                    block[..., local : local + real, :, :].copy_(_tokens(h, first, real, stride))
                 if real < count:  # padding tokens: zeros
-                    block[..., local + real : local + count, :].zero_()
+                    block[..., local + real : local + count, :, :].zero_()
     recv = _all_to_all(send, c)
     outs = []
     for h, part in zip(hs, _parts(recv, shapes), strict=True):
-        shape = _token_shape(h.shape[:-3], n * h.shape[-3], local_length, h.shape[-1], sd, hd)
+        shape = _token_shape(h.shape[:-3], local_length, n * h.shape[-2], h.shape[-1], sd, hd)
         out = part.new_empty(shape)
-        blocks = out.movedim((hd, sd), (-3, -2)).unflatten(-3, (n, -1)).movedim(-4, 0)
+        blocks = out.movedim((sd, hd), (-3, -2)).unflatten(-2, (n, -1)).movedim(-3, 0)
         if c.order is None:
             blocks.copy_(part)
         else:
