@@ -23,8 +23,10 @@ The raw baselines:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+import unittest.mock
 from collections.abc import Callable
 
 import torch
@@ -96,6 +98,8 @@ def _cases(nbytes: int, n: int) -> dict[str, tuple[Callable[[], object], Callabl
             raw_all_to_all,
             lambda: ps.all_to_all(q, "x", split_dim=2, concat_dim=1),
         ),
+        # the raw call against itself: how far apart two identical calls time on this machine
+        "all_to_all (raw A/A)": (raw_all_to_all, raw_all_to_all),
     }
 
 
@@ -121,6 +125,57 @@ def _bench(sizes: list[int], repeats: int) -> list[tuple[str, int, float, float,
     return rows
 
 
+def _local_transport() -> contextlib.AbstractContextManager:
+    """Replace the transport of the calls timed here with a local copy (no other rank)."""
+    stack = contextlib.ExitStack()
+
+    def reduce(t: torch.Tensor, *a: object, **k: object) -> None:
+        t.add_(0)
+
+    def gather(out: torch.Tensor, inp: torch.Tensor, *a: object, **k: object) -> None:
+        out.view(-1, inp.numel()).copy_(inp.view(1, -1))
+
+    def to_all(out: torch.Tensor, inp: torch.Tensor, *a: object, **k: object) -> None:
+        out.copy_(inp)
+
+    for owner, name, fake in (
+        (dist, "all_reduce", reduce),
+        (dist, "all_to_all_single", to_all),
+        (globals(), "_gather", gather),
+        (ps._comm, "_all_gather_flat", gather),
+    ):
+        if isinstance(owner, dict):
+            old = owner[name]
+            owner[name] = fake
+            stack.callback(owner.__setitem__, name, old)
+        else:
+            stack.enter_context(unittest.mock.patch.object(owner, name, fake))
+    return stack
+
+
+def _overhead(sizes: list[int], calls: int = 400) -> list[tuple[str, int, float, float]]:
+    """Per-call CPU time of each raw call and pshard's with the transport replaced by a local
+    copy: what the wrapper adds, free of the other rank's timing (medians of 9 samples)."""
+    n = dist.get_world_size()
+    rows = []
+    with _local_transport():
+        for nbytes in sizes:
+            for name, (raw, mine) in _cases(nbytes, n).items():
+                if "raw" in name:
+                    continue
+                samples: dict = {raw: [], mine: []}
+                for _ in range(9):
+                    for fn in (raw, mine):
+                        fn()
+                        start = time.perf_counter()
+                        for _ in range(calls):
+                            fn()
+                        samples[fn].append((time.perf_counter() - start) / calls)
+                raw_s, mine_s = statistics.median(samples[raw]), statistics.median(samples[mine])
+                rows.append((name, nbytes, raw_s, mine_s))
+    return rows
+
+
 def _table(rows: list[tuple[str, int, float, float, float]]) -> str:
     lines = [
         f"{'op':<22}{'size':>10}{'raw ms':>11}{'pshard ms':>11}{'ratio':>8}{'paired':>8}",
@@ -134,8 +189,12 @@ def _table(rows: list[tuple[str, int, float, float, float]]) -> str:
     return "\n".join(lines)
 
 
-def _run(nprocs: int, sizes: list[int], repeats: int) -> list[tuple]:
-    return ps.spawn(_bench, sizes, repeats, nprocs=nprocs, timeout=3600.0)[0]
+def _run(nprocs: int, sizes: list[int], repeats: int) -> tuple[list[tuple], list[tuple]]:
+    return ps.spawn(_both, sizes, repeats, nprocs=nprocs, timeout=3600.0)[0]
+
+
+def _both(sizes: list[int], repeats: int) -> tuple[list[tuple], list[tuple]]:
+    return _bench(sizes, repeats), _overhead(sizes)
 
 
 def main() -> None:
@@ -145,9 +204,22 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2)
     args = parser.parse_args()
     sizes = [_size(s) for s in args.sizes.split(",")]
-    rows = _run(args.nprocs, sizes, args.repeats)
+    rows, overhead = _run(args.nprocs, sizes, args.repeats)
     print(f"{args.nprocs} gloo ranks, torch {torch.__version__}, medians of {args.repeats}")
     print(_table(rows))
+    timed = {(name, nbytes): raw for name, nbytes, raw, _, _ in rows}
+    print()
+    print("the wrapper's own cost: CPU time per call with the transport replaced by a local copy")
+    print(
+        f"{'op':<22}{'size':>10}{'raw us':>10}{'pshard us':>11}{'added us':>10}{'of timed raw':>14}"
+    )
+    print("-" * 77)
+    for name, nbytes, raw, mine in overhead:
+        added = mine - raw
+        print(
+            f"{name:<22}{_label(nbytes):>10}{raw * 1e6:>10.1f}{mine * 1e6:>11.1f}"
+            f"{added * 1e6:>10.1f}{1 + added / timed[name, nbytes]:>14.3f}"
+        )
 
 
 if __name__ == "__main__":
