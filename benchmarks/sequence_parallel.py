@@ -296,7 +296,19 @@ def _efficiency_ranks(s: int, d: int, attention: str, layout: str, repeats: int)
     layer(q, k, v).sum().backward()
     seconds = _timed(lambda: layer(q, k, v).sum().backward(), repeats)
     saved = inside(q.detach().requires_grad_(True), k, v)
-    return {"seconds": seconds, "saved": saved.item()}
+    # As a layer inside a model sees it: q, k, v are this rank's activations (no gathers at a
+    # boundary), the output feeds this rank's share of the loss.
+    local = [t.detach()[:, : s // 2].clone().requires_grad_(True) for t in (q, k, v)]
+    in_model = ps.shard_map_seq(
+        lambda ids: fn(*local, causal=True).sum(),
+        in_specs=ps.Shard(1),
+        out_specs=ps.Partial("sum"),
+        layout=layout,
+    )
+    ids = torch.zeros(1, s, dtype=torch.int64)
+    in_model(ids).backward()
+    model_seconds = _timed(lambda: in_model(ids).backward(), repeats)
+    return {"seconds": seconds, "saved": saved.item(), "in_model": model_seconds}
 
 
 def _efficiency_table(args: argparse.Namespace) -> None:
@@ -309,10 +321,12 @@ def _efficiency_table(args: argparse.Namespace) -> None:
     )
     print(
         f"{'S':>5} {'attention':>9} {'layout':>10} | {'time':>9} {'1 process':>10} "
-        f"{'ratio':>6} | {'saved/rank':>11} {'vs 1 process':>12}"
+        f"{'ratio':>6} | {'in a model':>10} {'ratio':>6} | {'saved/rank':>11} "
+        f"{'vs 1 process':>12}"
     )
     for s in (2048, 4096):
         times: dict = {c: [] for c in [None, *configs]}
+        model: dict = {c: [] for c in configs}
         saved: dict = {}
         for _ in range(rounds):
             one = ps.spawn(_efficiency_single, s, d, 3, nprocs=1)[0]
@@ -321,13 +335,15 @@ def _efficiency_table(args: argparse.Namespace) -> None:
             for c in configs:
                 res = ps.spawn(_efficiency_ranks, s, d, *c, 3, nprocs=2)[0]
                 times[c].append(res["seconds"])
+                model[c].append(res["in_model"])
                 saved[c] = res["saved"]
         base = statistics.median(times[None])
         for c in configs:
-            t = statistics.median(times[c])
+            t, m = statistics.median(times[c]), statistics.median(model[c])
             print(
                 f"{s:>5} {c[0]:>9} {c[1]:>10} | {t * 1e3:6.1f} ms {base * 1e3:7.1f} ms "
-                f"{t / base:6.2f} | {saved[c] / 2**20:8.2f} MB {saved[c] / saved[None]:12.2f}"
+                f"{t / base:6.2f} | {m * 1e3:7.1f} ms {m / base:6.2f} | "
+                f"{saved[c] / 2**20:8.2f} MB {saved[c] / saved[None]:12.2f}"
             )
 
 

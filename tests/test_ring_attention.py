@@ -274,6 +274,41 @@ def test_kernel_skips_masked_blocks(pool) -> None:
         assert rows == want, kind
 
 
+def diagonal_worker(n: int, s: int, kind: str, hkv: int) -> int:
+    """Blocks run with the fused kernels' own causal flag (no mask built)."""
+    ps.init_mesh({"sp": n})
+    r = ps.axis_index("sp")
+    lay = SeqLayout(kind, s, n)
+    q, k = torch.randn(1, lay.local_length, 2, 4), torch.randn(1, lay.local_length, hkv, 4)
+    flagged = 0
+    real = ring_module._block_forward
+
+    def counting(*args):
+        nonlocal flagged
+        flagged += bool(args[-1])
+        return real(*args)
+
+    ring_module._block_forward = counting
+    try:
+        with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
+            ps.ring_attention(q, k, k, causal=True)
+    finally:
+        ring_module._block_forward = real
+    return flagged
+
+
+def test_diagonal_blocks_use_the_kernels_causal_flag(pool) -> None:
+    """Each rank's chunks against themselves at step 0 (zigzag: 2 per rank) go to the kernel
+    as plain causal blocks; padded keys or grouped heads keep the explicit mask (exactness of
+    both paths: test_against_full_attention)."""
+    n = 2
+    assert pool.run(n, diagonal_worker, n, 16, "zigzag", 2) == [2, 2]
+    for kind in LAYOUTS:
+        assert min(pool.run(n, diagonal_worker, n, 16, kind, 2)) >= 1, kind
+        assert pool.run(n, diagonal_worker, n, 16, kind, 1) == [0, 0], kind  # grouped
+    assert pool.run(n, diagonal_worker, n, 15, "zigzag", 2) == [1, 2]  # rank 0 holds the pad
+
+
 # --------------------------------------------------------------------------- memory, errors
 
 

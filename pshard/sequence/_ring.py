@@ -272,6 +272,25 @@ def _block_mask(
     return m.unsqueeze(-3).unsqueeze(-3)
 
 
+def _diagonal(spec: _Spec, rank: int, src: int, st: _Step, b: tuple[int, ...], segs: Any) -> bool:
+    """Whether a block's mask is exactly the lower triangle (a chunk against itself, causal, no
+    window, segments or padding keys, one query head per key/value head), which the fused
+    kernels compute with their own causal flag, skipping the masked half."""
+    if not (st.masked and st.q == st.k and src == rank and spec.causal and spec.groups == 1):
+        return False
+    if spec.window is not None or segs is not None:
+        return False
+    return _increasing(spec.layout, rank, b[st.q], b[st.q + 1])
+
+
+@functools.lru_cache(maxsize=1024)
+def _increasing(layout: Any, rank: int, lo: int, hi: int) -> bool:
+    """Whether ``rank``'s positions ``[lo, hi)`` increase and are all real tokens."""
+    pos = layout.positions(rank)[lo:hi]
+    rising = all(a < b for a, b in zip(pos[:-1], pos[1:], strict=True))
+    return rising and (not pos or pos[-1] < layout.length)
+
+
 def _scores(qa, kb, mask, spec: _Spec, acc) -> torch.Tensor:
     """Scaled scores ``(..., hkv, g * lq, lk)`` in ``acc``, masked entries ``-inf``."""
     s = torch.matmul(qa, kb.transpose(-1, -2)).to(acc) * spec.scale
@@ -335,7 +354,9 @@ def _additive(mask: Any, groups: int, dtype: torch.dtype, device: torch.device) 
     return add, m.any(-1)
 
 
-def _block_forward(qa, kb, vb, mask, spec: _Spec, acc) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_forward(
+    qa, kb, vb, mask, spec: _Spec, acc, diagonal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's output ``(..., hkv, rows, dv)`` and log-sum-exp ``(..., hkv, rows)`` in
     ``acc``; ``qa`` holds the query heads of each key/value head folded into its rows."""
     if not _fused(qa):
@@ -344,10 +365,10 @@ def _block_forward(qa, kb, vb, mask, spec: _Spec, acc) -> tuple[torch.Tensor, to
         p = torch.exp(s - _finite(lse_b).unsqueeze(-1))
         return torch.matmul(p.to(vb.dtype), vb).to(acc), lse_b
     width = max(qa.shape[-1], vb.shape[-1])
-    add, seen = _additive(mask, spec.groups, acc, qa.device)
+    add, seen = _additive(None if diagonal else mask, spec.groups, acc, qa.device)
     out, lse = _FLASH(
         _as4d(qa.to(acc), width), _as4d(kb.to(acc), width), _as4d(vb.to(acc), width),
-        0.0, False, attn_mask=add, scale=spec.scale,
+        0.0, diagonal, attn_mask=add, scale=spec.scale,
     )  # fmt: skip
     if seen is not None:  # the kernel reports 0 for a row that sees nothing: make it -inf
         lse = lse.masked_fill(~seen, -math.inf)
@@ -355,7 +376,9 @@ def _block_forward(qa, kb, vb, mask, spec: _Spec, acc) -> tuple[torch.Tensor, to
     return out[..., : vb.shape[-1]].reshape(*lead, -1), lse.reshape(lead)
 
 
-def _block_backward(qa, kr, vr, do, out_rows, lse_rows, delta, mask, spec: _Spec, acc):
+def _block_backward(
+    qa, kr, vr, do, out_rows, lse_rows, delta, mask, spec: _Spec, acc, diagonal: bool = False
+):
     """One block's ``(dq, dk, dv)`` in ``acc``, from the whole softmax's output rows and
     log-sum-exp (finite: 0 where a row sees nothing)."""
     if not _fused(qa):
@@ -368,10 +391,10 @@ def _block_backward(qa, kr, vr, do, out_rows, lse_rows, delta, mask, spec: _Spec
             torch.matmul(p.transpose(-1, -2), do),
         )
     width = max(qa.shape[-1], vr.shape[-1])
-    add, _ = _additive(mask, spec.groups, acc, qa.device)
+    add, _ = _additive(None if diagonal else mask, spec.groups, acc, qa.device)
     dq, dk, dv = _FLASH_BACKWARD(
         _as4d(do, width), _as4d(qa, width), _as4d(kr, width), _as4d(vr, width),
-        _as4d(out_rows, width), lse_rows.reshape(-1, *lse_rows.shape[-2:]), 0.0, False,
+        _as4d(out_rows, width), lse_rows.reshape(-1, *lse_rows.shape[-2:]), 0.0, diagonal,
         attn_mask=add, scale=spec.scale,
     )  # fmt: skip
     d, dv_ = qa.shape[-1], vr.shape[-1]
@@ -389,8 +412,10 @@ def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor
     acc, n, r, dk = _acc(q.dtype), c.size, c.rank, k.shape[-1]
     steps, b = _schedule(spec, n, r)
     qs = [_fold(q, b[a], b[a + 1]) for a in range(len(b) - 1)]
-    outs = [q.new_zeros((*x.shape[:-1], v.shape[-1]), dtype=acc) for x in qs]
-    lses = [q.new_full(x.shape[:-1], -math.inf, dtype=acc) for x in qs]
+    # a query chunk's first block is its running result as is; chunks that never see a key
+    # are filled in at the end (zeros, log-sum-exp -inf)
+    outs: list[Any] = [None] * len(qs)
+    lses: list[Any] = [None] * len(qs)
     perm = tuple((i, (i + 1) % n) for i in range(n))
     kv = torch.cat([k, v], -1) if n > 1 else None
     for t in range(n):
@@ -404,8 +429,12 @@ def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor
                 continue
             lo, hi = b[st.k], b[st.k + 1]
             o_b, lse_b = _block_forward(
-                qs[st.q], kb[..., lo:hi, :], vb[..., lo:hi, :], mask, spec, acc
-            )
+                qs[st.q], kb[..., lo:hi, :], vb[..., lo:hi, :], mask, spec, acc,
+                _diagonal(spec, r, src, st, b, segs),
+            )  # fmt: skip
+            if outs[st.q] is None:
+                outs[st.q], lses[st.q] = o_b, lse_b
+                continue
             lse = torch.logaddexp(lses[st.q], lse_b)
             base = _finite(lse)
             outs[st.q] = outs[st.q] * torch.exp(lses[st.q] - base).unsqueeze(-1) + o_b * torch.exp(
@@ -414,6 +443,10 @@ def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor
             lses[st.q] = lse
         raw.wait(pending)
         kv = nxt
+    for a, x in enumerate(qs):
+        if outs[a] is None:
+            outs[a] = q.new_zeros((*x.shape[:-1], v.shape[-1]), dtype=acc)
+            lses[a] = q.new_full(x.shape[:-1], -math.inf, dtype=acc)
     out = _unfold(outs, spec.groups).to(q.dtype)
     return out, torch.cat([x.unflatten(-1, (spec.groups, -1)) for x in lses], -1)
 
@@ -427,7 +460,7 @@ def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
     lses = [_finite(lse[..., b[a] : b[a + 1]].flatten(-2)) for a in chunks]
     outs = [_fold(out, b[a], b[a + 1]).to(acc) for a in chunks]
     deltas = [(do * o).sum(-1) for do, o in zip(dos, outs, strict=True)]
-    dqs = [torch.zeros_like(x) for x in qs]
+    dqs: list[Any] = [None] * len(qs)  # assigned by a chunk's first block, then summed into
     perm = tuple((i, (i + 1) % n) for i in range(n))
     kv = torch.cat([k, v], -1).to(acc)
     # dK/dV of the block held at step t are computed into a fresh buffer while the partial sums
@@ -439,7 +472,8 @@ def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
         src = (r - t) % n
         kb, vb = kv.split([dk, kv.shape[-1] - dk], -1)
         nxt, kv_pending = raw.ppermute_start(kv, c, perm) if t < n - 1 else (None, [])
-        dkv = torch.zeros_like(kv)
+        dkv = torch.empty_like(kv)
+        written: set[int] = set()  # key chunks of dkv holding a block's gradient
         for st in steps[t]:
             mask = _block_mask(spec, r, src, st, b, segs, q.device)
             if mask is False:
@@ -448,11 +482,19 @@ def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
             a = st.q
             dq_b, dk_b, dv_b = _block_backward(
                 qs[a], kb[..., lo:hi, :], vb[..., lo:hi, :], dos[a], outs[a], lses[a],
-                deltas[a], mask, spec, acc,
+                deltas[a], mask, spec, acc, _diagonal(spec, r, src, st, b, segs),
             )  # fmt: skip
-            dqs[a] += dq_b
-            dkv[..., lo:hi, :dk] += dk_b
-            dkv[..., lo:hi, dk:] += dv_b
+            dqs[a] = dq_b if dqs[a] is None else dqs[a].add_(dq_b)
+            if st.k in written:
+                dkv[..., lo:hi, :dk] += dk_b
+                dkv[..., lo:hi, dk:] += dv_b
+            else:
+                dkv[..., lo:hi, :dk] = dk_b
+                dkv[..., lo:hi, dk:] = dv_b
+                written.add(st.k)
+        for j in range(len(b) - 1):
+            if j not in written:
+                dkv[..., b[j] : b[j + 1], :].zero_()
         raw.wait(dkv_pending)
         if incoming is not None:
             dkv += incoming
@@ -464,6 +506,7 @@ def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
         kv = nxt
     raw.wait(dkv_pending)
     dkv = incoming
+    dqs = [torch.zeros_like(x) if g is None else g for g, x in zip(dqs, qs, strict=True)]
     dq = _unfold(dqs, spec.groups).to(q.dtype)
     dkb, dvb = dkv.split([dk, dkv.shape[-1] - dk], -1)
     return dq, dkb.to(k.dtype), dvb.to(v.dtype)
