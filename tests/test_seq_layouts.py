@@ -128,42 +128,46 @@ def test_tensor_forms_transforms_against_index_select(kind: str) -> None:
     inputs, each equal to the index_select form."""
     torch.manual_seed(0)
     for n, s in ((2, 7), (3, 12), (4, 9)):
-        lay, ref_f, ref_b = _oracle(kind, s, n)
-        x = torch.randn(3, 2, s, dtype=torch.float64).transpose(0, 2)  # (s, 2, 3), strided
-        out, vjp = torch.func.vjp(lambda t: pad_permute(t, 0, lay, 0.5), x)
-        ref, ref_vjp = torch.func.vjp(lambda t: ref_f(t, 0, 0.5), x)
-        assert torch.equal(out, ref)
-        ct = torch.randn_like(out)
-        assert torch.equal(vjp(ct)[0], ref_vjp(ct)[0])
-        t = torch.randn_like(x)
-        assert torch.equal(
-            torch.func.jvp(lambda u: pad_permute(u, 0, lay, 0.5), (x,), (t,))[1],
-            ref_f(t, 0, 0.0),
-        )
-        y = torch.randn(2, lay.padded_length, 4, dtype=torch.float64)
-        back, vjp = torch.func.vjp(lambda u: unpermute_unpad(u, 1, lay), y)
-        assert torch.equal(back, ref_b(y, 1))
-        ct = torch.randn_like(back)
-        assert torch.equal(vjp(ct)[0], ref_f(ct, 1, 0.0))
-        assert torch.equal(
-            torch.func.jvp(lambda u: unpermute_unpad(u, 1, lay), (y,), (y,))[1], ref_b(y, 1)
-        )
-        # vmap over dim 1 of (s, batch, 3): the sequence stays dim 0 inside
-        got = torch.func.vmap(lambda u: pad_permute(u, 0, lay, 0.5), in_dims=1)(x)
-        assert torch.equal(got, ref_f(x, 0, 0.5).movedim(1, 0))
-        got = torch.func.vmap(lambda u: unpermute_unpad(u, 0, lay), in_dims=1)(y.transpose(0, 1))
-        assert torch.equal(got, ref_b(y, 1))
-        # second order: the Hessian of a cubic through both forms
-        w = torch.randn(lay.padded_length, 2, 3, dtype=torch.float64)
+        _check_transforms(kind, n, s)
 
-        def cubic(u, f=pad_permute, lay=lay, w=w):
-            return (f(u, 0, lay, 0.5) ** 3 * w).sum()
 
-        h = torch.func.hessian(cubic)(x[:, 0, 0].contiguous().unsqueeze(1).unsqueeze(2))
-        h_ref = torch.func.hessian(lambda u, w=w: (ref_f(u, 0, 0.5) ** 3 * w).sum())(
-            x[:, 0, 0].contiguous().unsqueeze(1).unsqueeze(2)
-        )
-        assert torch.allclose(h, h_ref, rtol=0, atol=1e-12)
+def _check_transforms(kind: str, n: int, s: int) -> None:
+    lay, ref_f, ref_b = _oracle(kind, s, n)
+    x = torch.randn(3, 2, s, dtype=torch.float64).transpose(0, 2)  # (s, 2, 3), strided
+    out, vjp = torch.func.vjp(lambda t: pad_permute(t, 0, lay, 0.5), x)
+    ref, ref_vjp = torch.func.vjp(lambda t: ref_f(t, 0, 0.5), x)
+    assert torch.equal(out, ref)
+    ct = torch.randn_like(out)
+    assert torch.equal(vjp(ct)[0], ref_vjp(ct)[0])
+    t = torch.randn_like(x)
+    assert torch.equal(
+        torch.func.jvp(lambda u: pad_permute(u, 0, lay, 0.5), (x,), (t,))[1],
+        ref_f(t, 0, 0.0),
+    )
+    y = torch.randn(2, lay.padded_length, 4, dtype=torch.float64)
+    back, vjp = torch.func.vjp(lambda u: unpermute_unpad(u, 1, lay), y)
+    assert torch.equal(back, ref_b(y, 1))
+    ct = torch.randn_like(back)
+    assert torch.equal(vjp(ct)[0], ref_f(ct, 1, 0.0))
+    assert torch.equal(
+        torch.func.jvp(lambda u: unpermute_unpad(u, 1, lay), (y,), (y,))[1], ref_b(y, 1)
+    )
+    # vmap over dim 1 of (s, batch, 3): the sequence stays dim 0 inside
+    got = torch.func.vmap(lambda u: pad_permute(u, 0, lay, 0.5), in_dims=1)(x)
+    assert torch.equal(got, ref_f(x, 0, 0.5).movedim(1, 0))
+    got = torch.func.vmap(lambda u: unpermute_unpad(u, 0, lay), in_dims=1)(y.transpose(0, 1))
+    assert torch.equal(got, ref_b(y, 1))
+    # second order: the Hessian of a cubic through both forms
+    w = torch.randn(lay.padded_length, 2, 3, dtype=torch.float64)
+
+    def cubic(u, f=pad_permute, lay=lay, w=w):
+        return (f(u, 0, lay, 0.5) ** 3 * w).sum()
+
+    h = torch.func.hessian(cubic)(x[:, 0, 0].contiguous().unsqueeze(1).unsqueeze(2))
+    h_ref = torch.func.hessian(lambda u, w=w: (ref_f(u, 0, 0.5) ** 3 * w).sum())(
+        x[:, 0, 0].contiguous().unsqueeze(1).unsqueeze(2)
+    )
+    assert torch.allclose(h, h_ref, rtol=0, atol=1e-12)
 
 
 def test_errors() -> None:

@@ -7,12 +7,13 @@
   caller's dim order.
 
 Each is one ``all_to_all_single`` of one buffer that packs every tensor given (q, k and v travel
-together). The copy into the send buffer does the head split and the transposition; the copy out
-of the receive buffer puts each rank's tokens at their positions in the sequence, one strided
-copy per run of positions (:meth:`SeqLayout.runs`), so the layout's permutation costs no index
-tensors, no ``index_select`` and, in the backward pass, no ``index_add_`` into a zero-filled
-buffer. Nothing is zero-filled but the send slots of padding tokens. The backward of each is the
-other (both are linear), so gradients of any order, ``jvp`` and ``vmap`` compose.
+together). The copy into the send buffer splits the heads (and moves the caller's dims to the
+buffer's token-major order); the copy out of the receive buffer puts each rank's tokens at
+their positions in the sequence, one strided copy per run of positions
+(:meth:`SeqLayout.runs`), so the layout's permutation costs no index tensors, no
+``index_select`` and, in the backward pass, no ``index_add_`` into a zero-filled buffer.
+Nothing is zero-filled but the send slots of padding tokens. The backward of each is the other
+(both are linear), so gradients of any order, ``jvp`` and ``vmap`` compose.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _to_tokens(layout: SeqLayout, c: Comm, sd: int, hd: int, hs: tuple) -> tuple
         for i in range(n):
             block = part[_slot(c, i)]
             for local, first, count, stride in layout.runs(i):
-                real = max(0, min(count, -(-(layout.length - first) // stride)))
+                real = layout.real(first, count, stride)
                 if real:
                     block[..., local : local + real, :, :].copy_(_tokens(h, first, real, stride))
                 if real < count:  # padding tokens: zeros

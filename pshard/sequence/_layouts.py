@@ -26,7 +26,7 @@ Internal interface (used by the sequence transforms):
   ``inverse()`` and their tensor forms ``position_tensor(rank, device)`` (``rank=None``: the
   whole permuted order).
 - ``SeqLayout.runs(rank)``: a rank's positions as strided runs, for copies without index
-  tensors.
+  tensors; ``SeqLayout.real(first, count, stride)``: how many of a run are real tokens.
 - ``pad_permute(x, dim, layout, value)``: the padded, permuted whole tensor (differentiable);
   slicing it in ``size`` equal blocks along ``dim`` gives each rank its tokens.
 - ``unpermute_unpad(y, dim, layout)``: the inverse (differentiable).
@@ -133,6 +133,11 @@ class SeqLayout:
         """
         return _runs(self.kind, self.padded_length, self.size, self._rank(rank))
 
+    def real(self, first: int, count: int, stride: int) -> int:
+        """How many positions of the run ``first + j * stride`` (``j < count``) are real
+        tokens (the rest, at its end, are padding)."""
+        return max(0, min(count, -(-(self.length - first) // stride)))
+
     def is_pad(self, rank: int) -> tuple[bool, ...]:
         """For each of ``rank``'s tokens, whether it is padding."""
         return tuple(p >= self.length for p in self.positions(rank))
@@ -228,7 +233,7 @@ def _permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.
     for r in range(layout.size):
         base = r * layout.local_length
         for local, first, count, stride in layout.runs(r):
-            real = max(0, min(count, -(-(layout.length - first) // stride)))
+            real = layout.real(first, count, stride)
             if real:
                 out.narrow(dim, base + local, real).copy_(_along(x, dim, first, real, stride))
             if real < count:
@@ -243,7 +248,7 @@ def _unpermute(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
     for r in range(layout.size):
         base = r * layout.local_length
         for local, first, count, stride in layout.runs(r):
-            real = max(0, min(count, -(-(layout.length - first) // stride)))
+            real = layout.real(first, count, stride)
             if real:
                 _along(out, dim, first, real, stride).copy_(y.narrow(dim, base + local, real))
     return out
