@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .._collectives import _call, _eager, _eager_rules
 from .._comm import Comm
 from .._debug import check_collective
-from ._layouts import SeqLayout
+from ._layouts import SeqLayout, along
 
 __all__ = ["tokens_to_heads", "heads_to_tokens"]
 
@@ -68,7 +68,7 @@ def _all_to_all(send: torch.Tensor, c: Comm) -> torch.Tensor:
 
 def _tokens(x: torch.Tensor, start: int, count: int, stride: int) -> torch.Tensor:
     """Tokens ``start + j * stride`` (``j < count``) of ``x`` (tokens on dim -3), a view."""
-    return x[..., start : start + stride * (count - 1) + 1 : stride, :, :]
+    return along(x, x.dim() - 3, start, count, stride)
 
 
 # The blocks in the buffers are token-major, (batch..., tokens, heads / N, size): packing is a

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .._checks import check_int
 
-__all__ = ["LAYOUTS", "SeqLayout", "check_layout", "pad_permute", "unpermute_unpad"]
+__all__ = ["LAYOUTS", "SeqLayout", "along", "check_layout", "pad_permute", "unpermute_unpad"]
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -221,7 +221,7 @@ def _index_tensor(
 # and each is the other's transpose, so no backward pass scatters into a zero-filled buffer.
 
 
-def _along(x: torch.Tensor, dim: int, first: int, count: int, stride: int) -> torch.Tensor:
+def along(x: torch.Tensor, dim: int, first: int, count: int, stride: int) -> torch.Tensor:
     """Entries ``first + j * stride`` (``j < count``) of ``x`` along ``dim``, a view."""
     return x[(slice(None),) * dim + (slice(first, first + stride * (count - 1) + 1, stride),)]
 
@@ -235,7 +235,7 @@ def _permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.
         for local, first, count, stride in layout.runs(r):
             real = layout.real(first, count, stride)
             if real:
-                out.narrow(dim, base + local, real).copy_(_along(x, dim, first, real, stride))
+                out.narrow(dim, base + local, real).copy_(along(x, dim, first, real, stride))
             if real < count:
                 out.narrow(dim, base + local + real, count - real).fill_(value)
     return out
@@ -250,7 +250,7 @@ def _unpermute(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
         for local, first, count, stride in layout.runs(r):
             real = layout.real(first, count, stride)
             if real:
-                _along(out, dim, first, real, stride).copy_(y.narrow(dim, base + local, real))
+                along(out, dim, first, real, stride).copy_(y.narrow(dim, base + local, real))
     return out
 
 
