@@ -563,3 +563,65 @@ def test_tuple_axes_in_any_order(pool, names) -> None:
         torch.testing.assert_close(res["ppermute"], torch.tensor([float((i - 1) % 4)], **f64))
         torch.testing.assert_close(res["broadcast"], torch.tensor([1.0], **f64))
         torch.testing.assert_close(res["pmax"], torch.tensor([4.0], **f64))
+
+
+# ------------------------------------------------------------- gloo's large gathers, pairwise
+
+
+def _pairwise_gather_worker() -> dict:
+    from unittest import mock
+
+    from pshard import _comm
+
+    ps.init_mesh({"x": 2, "y": 2})
+    # blocks of the threshold in bytes per rank, then just below it: pairwise, then native
+    cols = {
+        "large": _comm.PAIRWISE_GATHER_BYTES // 8,
+        "small": _comm.PAIRWISE_GATHER_BYTES // 16 - 1,
+    }
+    calls = {"pairwise": 0, "native": 0}
+    native, batch = _comm._all_gather_flat, dist.batch_isend_irecv
+
+    def count(kind: str, fn: Callable) -> Callable:
+        def counted(*a: Any, **kw: Any) -> Any:
+            calls[kind] += 1
+            return fn(*a, **kw)
+
+        return counted
+
+    out: dict = {}
+    with (
+        mock.patch.object(_comm, "_all_gather_flat", count("native", native)),
+        mock.patch.object(dist, "batch_isend_irecv", count("pairwise", batch)),
+    ):
+        for axis in ("x", ("y", "x"), ("x", "y")):
+            i = ps.axis_index(axis)
+            for size, n in cols.items():
+                x = torch.arange(2 * n, dtype=torch.float64).view(2, n) + 1000.0 * i
+                x.requires_grad_(True)
+                before = dict(calls)
+                y = ps.all_gather(x, axis, dim=1)
+                (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+                used = {k: calls[k] - before[k] for k in calls}
+                out[(str(axis), size)] = (y.detach(), g, used)
+    return out
+
+
+def test_large_gloo_gathers_go_pairwise(pool) -> None:
+    """gloo's all-gathers of 64 KiB per rank and more are pairwise sends and receives, each
+    rank's block in its axis slot (reordered tuple axes, sub-groups of a 2x2 mesh), gradients
+    through the transpose; smaller ones stay on gloo's own all-gather."""
+    for res in pool.run(4, _pairwise_gather_worker):
+        for (axis, size), (y, g, used) in res.items():
+            k = 2 if axis == "x" else 4
+            n = y.shape[1] // k
+            base = torch.arange(2 * n, dtype=torch.float64).view(2, n)
+            want = torch.cat([base + 1000.0 * j for j in range(k)], dim=1)
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+            torch.testing.assert_close(g, torch.full_like(g, float(k)), rtol=0, atol=0)
+            kind = "pairwise" if size == "large" else "native"
+            assert used[kind] >= 1, (axis, size, used)
+            if size == "small":
+                assert used["pairwise"] == 0, (axis, used)
+            else:
+                assert used["native"] == 0, (axis, used)

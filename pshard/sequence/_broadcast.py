@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import WIRE_DTYPES
+from .._comm import gather_into
 from .._mesh import Axis, resolve_axis
 from .._tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
 
@@ -66,12 +67,12 @@ def _exchange(mine: list[int], group: dist.ProcessGroup, device: torch.device) -
     size = dist.get_world_size(group)
     head = torch.tensor([len(mine)], dtype=torch.int64, device=device)
     heads = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(heads, head, group=group)
+    gather_into(heads.view(size, 1), head, group)
     width = int(heads.max())
     body = torch.zeros(width, dtype=torch.int64, device=device)
     body[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
     bodies = torch.empty(size * width, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(bodies, body, group=group)
+    gather_into(bodies.view(size, width), body, group)
     rows = bodies.view(size, width).tolist()
     return [row[:n] for row, n in zip(rows, heads.tolist(), strict=True)]
 
