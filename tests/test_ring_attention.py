@@ -274,18 +274,19 @@ def test_kernel_skips_masked_blocks(pool) -> None:
         assert rows == want, kind
 
 
-def diagonal_worker(n: int, s: int, kind: str, hkv: int) -> int:
-    """Blocks run with the fused kernels' own causal flag (no mask built)."""
+def triangle_worker(n: int, s: int, kind: str, hkv: int) -> list[int]:
+    """How many blocks ran with the fused kernels' own causal flag (no mask built): lower
+    triangles, strict lower triangles."""
     ps.init_mesh({"sp": n})
     r = ps.axis_index("sp")
     lay = SeqLayout(kind, s, n)
     q, k = torch.randn(1, lay.local_length, 2, 4), torch.randn(1, lay.local_length, hkv, 4)
-    flagged = 0
+    flagged = [0, 0]
     real = ring_module._block_forward
 
     def counting(*args):
-        nonlocal flagged
-        flagged += bool(args[-1])
+        if args[-1] is not None:
+            flagged[args[-1]] += 1
         return real(*args)
 
     ring_module._block_forward = counting
@@ -297,16 +298,52 @@ def diagonal_worker(n: int, s: int, kind: str, hkv: int) -> int:
     return flagged
 
 
-def test_diagonal_blocks_use_the_kernels_causal_flag(pool) -> None:
-    """Each rank's chunks against themselves at step 0 (zigzag: 2 per rank) go to the kernel
-    as plain causal blocks; padded keys or grouped heads keep the explicit mask (exactness of
-    both paths: test_against_full_attention)."""
+def test_triangular_blocks_use_the_kernels_causal_flag(pool) -> None:
+    """Each rank's chunks against themselves (zigzag, contiguous: 2 per rank) go to the kernel
+    as plain causal blocks, and so do stripe chunks against an earlier rank's (the lower
+    triangle) and a later rank's (the strict one: rows 1: against keys :-1); padded keys or
+    grouped heads keep the explicit mask (exactness of every path:
+    test_against_full_attention)."""
     n = 2
-    assert pool.run(n, diagonal_worker, n, 16, "zigzag", 2) == [2, 2]
+    for kind in ("zigzag", "contiguous"):
+        assert pool.run(n, triangle_worker, n, 16, kind, 2) == [[2, 0], [2, 0]], kind
+    # stripe: rank 0 sees rank 1's chunks strictly below the diagonal, rank 1 sees rank 0's
+    # on and below it
+    assert pool.run(n, triangle_worker, n, 16, "stripe", 2) == [[2, 2], [4, 0]]
     for kind in LAYOUTS:
-        assert min(pool.run(n, diagonal_worker, n, 16, kind, 2)) >= 1, kind
-        assert pool.run(n, diagonal_worker, n, 16, kind, 1) == [0, 0], kind  # grouped
-    assert pool.run(n, diagonal_worker, n, 15, "zigzag", 2) == [1, 2]  # rank 0 holds the pad
+        assert pool.run(n, triangle_worker, n, 16, kind, 1) == [[0, 0], [0, 0]], kind  # grouped
+    assert pool.run(n, triangle_worker, n, 15, "zigzag", 2) == [[1, 0], [2, 0]]  # rank 0: pad
+
+
+@pytest.mark.parametrize("rows", [129, 300])
+@pytest.mark.parametrize("tri", [0, 1])
+def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int) -> None:
+    """A lower-triangle block (strict with ``tri=1``) longer than the kernel's leaf is computed
+    in halves and merged: output, log-sum-exp and the three gradients equal the block with the
+    explicit mask (float64, from the whole softmax's output and log-sum-exp, as the ring gives
+    them)."""
+    g = torch.Generator().manual_seed(rows + tri)
+    qa, kb, vb, do = (
+        torch.randn(2, 3, rows, 8, generator=g, dtype=torch.float64) for _ in range(4)
+    )
+    spec = ring_module._Spec(None, True, 0.3, 1)
+    acc = torch.float64
+    mask = torch.ones(rows, rows, dtype=torch.bool).tril(-tri)
+    assert rows > ring_module._LEAF  # cut at least once
+    out, lse = ring_module._block_forward(qa, kb, vb, mask, spec, acc, tri)
+    want_out, want_lse = ring_module._block_forward(qa, kb, vb, mask, spec, acc, None)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    q, k, v = (t.clone().requires_grad_() for t in (qa, kb, vb))
+    s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num()  # the strict triangle's row 0 sees nothing: zeros
+    torch.testing.assert_close(p @ v, out, rtol=1e-12, atol=1e-12)
+    want = torch.autograd.grad(p @ v, (q, k, v), do)
+    finite = torch.where(lse.isneginf(), torch.zeros_like(lse), lse)
+    delta = (do * out).sum(-1)
+    got = ring_module._block_backward(qa, kb, vb, do, out, finite, delta, mask, spec, acc, tri)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 # --------------------------------------------------------------------------- memory, errors
