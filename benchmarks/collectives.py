@@ -138,9 +138,16 @@ def _local_transport() -> contextlib.AbstractContextManager:
     def to_all(out: torch.Tensor, inp: torch.Tensor, *a: object, **k: object) -> None:
         out.copy_(inp)
 
+    def pairwise(ops: list) -> list:  # gloo's large gathers (sends and receives, paired in order)
+        sends = [op.tensor for op in ops if op.op is dist.isend]
+        for op, sent in zip((op for op in ops if op.op is dist.irecv), sends, strict=True):
+            op.tensor.copy_(sent)
+        return []
+
     for owner, name, fake in (
         (dist, "all_reduce", reduce),
         (dist, "all_to_all_single", to_all),
+        (dist, "batch_isend_irecv", pairwise),
         (globals(), "_gather", gather),
         (ps._comm, "_all_gather_flat", gather),
     ):

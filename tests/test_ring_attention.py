@@ -315,6 +315,37 @@ def test_triangular_blocks_use_the_kernels_causal_flag(pool) -> None:
     assert pool.run(n, triangle_worker, n, 15, "zigzag", 2) == [[1, 0], [2, 0]]  # rank 0: pad
 
 
+def test_triangles_found_from_positions_match_the_mask() -> None:
+    """Which blocks are (strict) lower triangles, read off the positions in linear time, agrees
+    with building each block's mask, for every layout, rank pair and chunk pair, with padding."""
+    from pshard.sequence._masks import position_mask
+
+    found = set()
+    for kind in LAYOUTS:
+        for n, s in ((2, 16), (2, 15), (3, 20), (4, 32), (4, 29)):
+            lay = SeqLayout(kind, s, n)
+            b = ring_module._bounds(lay.local_length, 2)
+            for r in range(n):
+                for src in range(n):
+                    for q in range(2):
+                        for k in range(2):
+                            got = ring_module._triangle_of(
+                                lay, r, src, b[q], b[q + 1], b[k], b[k + 1]
+                            )
+                            qp = torch.tensor(lay.positions(r)[b[q] : b[q + 1]])
+                            kp = torch.tensor(lay.positions(src)[b[k] : b[k + 1]])
+                            seen = position_mask(qp, kp, s, True, None)
+                            want = None
+                            if seen.shape[0] == seen.shape[1] >= 2:
+                                lower = torch.ones(seen.shape, dtype=torch.bool).tril()
+                                for offset in (0, 1):
+                                    if want is None and torch.equal(seen, lower.tril(-offset)):
+                                        want = offset
+                            assert got == want, (kind, n, s, r, src, q, k)
+                            found.add(got)
+    assert found == {None, 0, 1}
+
+
 @pytest.mark.parametrize("rows", [129, 300])
 @pytest.mark.parametrize("tri", [0, 1])
 def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int) -> None:

@@ -303,15 +303,28 @@ def _triangle(
 def _triangle_of(
     layout: Any, rank: int, src: int, q0: int, q1: int, k0: int, k1: int
 ) -> int | None:
+    """The triangle of query positions ``[q0, q1)`` of ``rank`` against key positions
+    ``[k0, k1)`` of ``src`` (see :func:`_triangle`), from the positions alone, in linear time:
+    both increase, the queries and the keys the triangle takes are real tokens, and each query
+    row ``a`` sees exactly the keys before ``a + 1 - offset``."""
     qp, kp = layout.positions(rank)[q0:q1], layout.positions(src)[k0:k1]
-    if len(qp) != len(kp) or len(qp) < 2:
+    n = len(qp)
+    if len(kp) != n or n < 2 or qp[-1] >= layout.length or not (_rising(qp) and _rising(kp)):
         return None
-    seen = position_mask(torch.tensor(qp), torch.tensor(kp), layout.length, True, None)
-    lower = torch.ones(seen.shape, dtype=torch.bool).tril()
     for offset in (0, 1):
-        if torch.equal(seen, lower.tril(-offset)):
+        if kp[n - 1 - offset] >= layout.length:  # a key the triangle takes is padding
+            continue
+        # row a sees keys [0, m) with kp[m - 1] <= qp[a] < kp[m]: m must be a + 1 - offset
+        if all(
+            (m == 0 or kp[m - 1] <= p) and (m == n or p < kp[m])
+            for m, p in ((a + 1 - offset, p) for a, p in enumerate(qp))
+        ):
             return offset
     return None
+
+
+def _rising(pos: tuple[int, ...]) -> bool:
+    return all(a < b for a, b in zip(pos[:-1], pos[1:], strict=True))
 
 
 def _scores(qa, kb, mask, spec: _Spec, acc) -> torch.Tensor:
