@@ -180,6 +180,7 @@ def _overhead(sizes: list[int], calls: int = 400) -> list[tuple[str, int, float,
                         samples[fn].append((time.perf_counter() - start) / calls)
                 raw_s, mine_s = statistics.median(samples[raw]), statistics.median(samples[mine])
                 rows.append((name, nbytes, raw_s, mine_s))
+    dist.barrier()  # return together: a rank still timing is not one stuck in a collective
     return rows
 
 

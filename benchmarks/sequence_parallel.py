@@ -48,7 +48,7 @@ alternate between the two), and the activation memory autograd saves per rank ag
 single process.
 
     python benchmarks/sequence_parallel.py [--seq 2048] [--batch 1] [--head-size 64]
-        [--packed-only | --usp-only | --efficiency-only]
+        [--packed-only | --usp-only | --efficiency-only [--rounds 3]]
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def _efficiency_ranks(s: int, d: int, attention: str, layout: str, repeats: int)
 
 
 def _efficiency_table(args: argparse.Namespace) -> None:
-    d, rounds = args.head_size, 3
+    d, rounds = args.head_size, args.rounds
     configs = [(a, lay) for a in ("ulysses", "ring") for lay in ("contiguous", "zigzag", "stripe")]
     print()
     print(
@@ -439,6 +439,7 @@ def main() -> None:
     parser.add_argument(
         "--efficiency-only", action="store_true", help="only the equal-cores efficiency table"
     )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the efficiency table")
     args = parser.parse_args()
     if args.efficiency_only:
         _efficiency_table(args)

@@ -608,7 +608,7 @@ def _pairwise_gather_worker() -> dict:
 
 
 def test_large_gloo_gathers_go_pairwise(pool) -> None:
-    """gloo's all-gathers of 64 KiB per rank and more are pairwise sends and receives, each
+    """gloo's all-gathers of 256 KiB per rank and more are pairwise sends and receives, each
     rank's block in its axis slot (reordered tuple axes, sub-groups of a 2x2 mesh), gradients
     through the transpose; smaller ones stay on gloo's own all-gather."""
     for res in pool.run(4, _pairwise_gather_worker):
