@@ -252,30 +252,16 @@ def _usp_table(args: argparse.Namespace) -> None:
             )
 
 
-def _efficiency_single(s: int, d: int, repeats: int) -> dict:
-    torch.set_num_threads(2)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, s, 8, d, generator=g, requires_grad=True) for _ in range(3))
-
-    def step() -> None:
-        heads = (t.transpose(1, 2) for t in (q, k, v))
-        torch.nn.functional.scaled_dot_product_attention(*heads, is_causal=True).sum().backward()
-
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    saved = _saved(
-        lambda: torch.nn.functional.scaled_dot_product_attention(
-            *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True
-        )
-    )
-    return {"seconds": statistics.median(times), "saved": saved.item()}
+def _sdpa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    heads = (t.transpose(1, 2) for t in (q, k, v))
+    return torch.nn.functional.scaled_dot_product_attention(*heads, is_causal=True)
 
 
 def _efficiency_ranks(s: int, d: int, attention: str, layout: str, repeats: int) -> dict:
+    """Steps of the layer through ``shard_map_seq`` (whole q, k, v in, whole output out), of the
+    layer as a model's layer (this rank's activations in, a loss share out) and of the single
+    process (rank 0 alone with both threads, rank 1 blocked in a barrier), interleaved, so
+    each ratio compares steps taken moments apart."""
     ps.init_mesh({"sp": 2})
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -293,8 +279,6 @@ def _efficiency_ranks(s: int, d: int, attention: str, layout: str, repeats: int)
         out_specs=ps.Replicate(),
         layout=layout,
     )
-    layer(q, k, v).sum().backward()
-    seconds = _timed(lambda: layer(q, k, v).sum().backward(), repeats)
     saved = inside(q.detach().requires_grad_(True), k, v)
     # As a layer inside a model sees it: q, k, v are this rank's activations (no gathers at a
     # boundary), the output feeds this rank's share of the loss.
@@ -306,18 +290,49 @@ def _efficiency_ranks(s: int, d: int, attention: str, layout: str, repeats: int)
         layout=layout,
     )
     ids = torch.zeros(1, s, dtype=torch.int64)
-    in_model(ids).backward()
-    model_seconds = _timed(lambda: in_model(ids).backward(), repeats)
-    return {"seconds": seconds, "saved": saved.item(), "in_model": model_seconds}
+    whole = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+
+    def single() -> None:
+        if dist.get_rank() == 0:
+            torch.set_num_threads(2)
+            try:
+                _sdpa_step(*whole).sum().backward()
+            finally:
+                torch.set_num_threads(1)
+        dist.barrier()
+
+    steps = {
+        "single": single,
+        "time": lambda: layer(q, k, v).sum().backward(),
+        "in_model": lambda: in_model(ids).backward(),
+    }
+    for step in steps.values():
+        step()
+    times: dict = {name: [] for name in steps}
+    names = list(steps)
+    for i in range(repeats):
+        for name in names[i % 3 :] + names[: i % 3]:  # each step first in turn
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    worst = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank's (rank 0's for single)
+    return {
+        "times": dict(zip(names, worst.tolist(), strict=True)),
+        "saved": saved.item(),
+        "saved_single": _saved(lambda: _sdpa_step(*whole)).item(),
+    }
 
 
 def _efficiency_table(args: argparse.Namespace) -> None:
-    d, rounds = args.head_size, args.rounds
+    d, rounds, repeats = args.head_size, args.rounds, 3
     configs = [(a, lay) for a in ("ulysses", "ring") for lay in ("contiguous", "zigzag", "stripe")]
     print()
     print(
         "efficiency on equal cores: one causal layer (8 heads), fwd+bwd, 2 ranks x 1 thread "
-        "against 1 process x 2 threads (fused SDPA); medians of alternating rounds"
+        "against 1 process x 2 threads (fused SDPA); steps of the three interleaved in each "
+        f"round, {rounds} rounds of {repeats}: medians of the times and of the step-by-step ratios"
     )
     print(
         f"{'S':>5} {'attention':>9} {'layout':>10} | {'time':>9} {'1 process':>10} "
@@ -325,25 +340,27 @@ def _efficiency_table(args: argparse.Namespace) -> None:
         f"{'vs 1 process':>12}"
     )
     for s in (2048, 4096):
-        times: dict = {c: [] for c in [None, *configs]}
-        model: dict = {c: [] for c in configs}
+        times: dict = {c: {"single": [], "time": [], "in_model": []} for c in configs}
         saved: dict = {}
         for _ in range(rounds):
-            one = ps.spawn(_efficiency_single, s, d, 3, nprocs=1)[0]
-            times[None].append(one["seconds"])
-            saved[None] = one["saved"]
             for c in configs:
-                res = ps.spawn(_efficiency_ranks, s, d, *c, 3, nprocs=2)[0]
-                times[c].append(res["seconds"])
-                model[c].append(res["in_model"])
-                saved[c] = res["saved"]
-        base = statistics.median(times[None])
+                res = ps.spawn(_efficiency_ranks, s, d, *c, repeats, nprocs=2)[0]
+                for name, ts in res["times"].items():
+                    times[c][name].extend(ts)
+                saved[c] = res["saved"] / res["saved_single"]
+                saved[(c, "bytes")] = res["saved"]
         for c in configs:
-            t, m = statistics.median(times[c]), statistics.median(model[c])
+            t = times[c]
+            med = {name: statistics.median(ts) for name, ts in t.items()}
+            ratio = {
+                name: statistics.median(a / b for a, b in zip(t[name], t["single"], strict=True))
+                for name in ("time", "in_model")
+            }
             print(
-                f"{s:>5} {c[0]:>9} {c[1]:>10} | {t * 1e3:6.1f} ms {base * 1e3:7.1f} ms "
-                f"{t / base:6.2f} | {m * 1e3:7.1f} ms {m / base:6.2f} | "
-                f"{saved[c] / 2**20:8.2f} MB {saved[c] / saved[None]:12.2f}"
+                f"{s:>5} {c[0]:>9} {c[1]:>10} | {med['time'] * 1e3:6.1f} ms "
+                f"{med['single'] * 1e3:7.1f} ms {ratio['time']:6.2f} | "
+                f"{med['in_model'] * 1e3:7.1f} ms {ratio['in_model']:6.2f} | "
+                f"{saved[(c, 'bytes')] / 2**20:8.2f} MB {saved[c]:12.2f}"
             )
 
 
