@@ -301,17 +301,16 @@ def triangle_worker(n: int, s: int, kind: str, hkv: int) -> list[int]:
 def test_triangular_blocks_use_the_kernels_causal_flag(pool) -> None:
     """Each rank's chunks against themselves (zigzag, contiguous: 2 per rank) go to the kernel
     as plain causal blocks, and so do stripe chunks against an earlier rank's (the lower
-    triangle) and a later rank's (the strict one: rows 1: against keys :-1); padded keys or
-    grouped heads keep the explicit mask (exactness of every path:
-    test_against_full_attention)."""
+    triangle) and a later rank's (the strict one: rows 1: against keys :-1), grouped query heads
+    too; padded keys keep the explicit mask (exactness of every path:
+    test_against_full_attention, test_triangle_blocks_cut_in_halves_are_exact)."""
     n = 2
-    for kind in ("zigzag", "contiguous"):
-        assert pool.run(n, triangle_worker, n, 16, kind, 2) == [[2, 0], [2, 0]], kind
-    # stripe: rank 0 sees rank 1's chunks strictly below the diagonal, rank 1 sees rank 0's
-    # on and below it
-    assert pool.run(n, triangle_worker, n, 16, "stripe", 2) == [[2, 2], [4, 0]]
-    for kind in LAYOUTS:
-        assert pool.run(n, triangle_worker, n, 16, kind, 1) == [[0, 0], [0, 0]], kind  # grouped
+    for hkv in (2, 1):  # 2 query heads: one per key/value head, or both on one
+        for kind in ("zigzag", "contiguous"):
+            assert pool.run(n, triangle_worker, n, 16, kind, hkv) == [[2, 0], [2, 0]], kind
+        # stripe: rank 0 sees rank 1's chunks strictly below the diagonal, rank 1 sees rank 0's
+        # on and below it
+        assert pool.run(n, triangle_worker, n, 16, "stripe", hkv) == [[2, 2], [4, 0]]
     assert pool.run(n, triangle_worker, n, 15, "zigzag", 2) == [[1, 0], [2, 0]]  # rank 0: pad
 
 
@@ -346,18 +345,19 @@ def test_triangles_found_from_positions_match_the_mask() -> None:
     assert found == {None, 0, 1}
 
 
-@pytest.mark.parametrize("rows", [129, 300])
+@pytest.mark.parametrize("rows,groups", [(129, 1), (300, 1), (129, 3)])
 @pytest.mark.parametrize("tri", [0, 1])
-def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int) -> None:
+def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int, groups: int) -> None:
     """A lower-triangle block (strict with ``tri=1``) longer than the kernel's leaf is computed
-    in halves and merged: output, log-sum-exp and the three gradients equal the block with the
-    explicit mask (float64, from the whole softmax's output and log-sum-exp, as the ring gives
-    them)."""
-    g = torch.Generator().manual_seed(rows + tri)
-    qa, kb, vb, do = (
-        torch.randn(2, 3, rows, 8, generator=g, dtype=torch.float64) for _ in range(4)
-    )
-    spec = ring_module._Spec(None, True, 0.3, 1)
+    in halves and merged, grouped query heads unfolded into heads: output, log-sum-exp and the
+    three gradients equal the block with the explicit mask (float64, from the whole softmax's
+    output and log-sum-exp, as the ring gives them)."""
+    g = torch.Generator().manual_seed(rows + tri + groups)
+    f64 = {"generator": g, "dtype": torch.float64}
+    kb, vb = (torch.randn(2, 3, rows, 8, **f64) for _ in range(2))
+    # each key/value head's query heads folded into its rows, group-major
+    qa, do = (torch.randn(2, 3, groups * rows, 8, **f64) for _ in range(2))
+    spec = ring_module._Spec(None, True, 0.3, groups)
     acc = torch.float64
     mask = torch.ones(rows, rows, dtype=torch.bool).tril(-tri)
     assert rows > ring_module._LEAF  # cut at least once
@@ -366,7 +366,7 @@ def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int) -> None:
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
     q, k, v = (t.clone().requires_grad_() for t in (qa, kb, vb))
-    s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask.repeat(groups, 1), float("-inf"))
     p = torch.softmax(s, -1).nan_to_num()  # the strict triangle's row 0 sees nothing: zeros
     torch.testing.assert_close(p @ v, out, rtol=1e-12, atol=1e-12)
     want = torch.autograd.grad(p @ v, (q, k, v), do)

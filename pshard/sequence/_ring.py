@@ -291,8 +291,8 @@ def _triangle(
     it is the strict one (``j < a``: a stripe chunk against a later rank's), else ``None``. The
     fused kernels compute both with their own causal flag, skipping the masked half (the strict
     one on rows ``1:`` against keys ``:-1``). Only for causal masks without a window, segments
-    or padding, one query head per key/value head."""
-    if not (st.masked and spec.causal and spec.groups == 1):
+    or padding (grouped query heads are unfolded into heads for the kernel)."""
+    if not (st.masked and spec.causal):
         return None
     if spec.window is not None or segs is not None:
         return None
@@ -401,18 +401,38 @@ def _block_forward(
         lse_b = torch.logsumexp(s, -1)
         p = torch.exp(s - _finite(lse_b).unsqueeze(-1))
         return torch.matmul(p.to(vb.dtype), vb).to(acc), lse_b
-    if tri == 0:
-        return _causal(qa, kb, vb, spec, acc)
-    if tri == 1:  # row 0 sees no key; rows 1: against keys :-1 are the lower triangle
-        out, lse = _causal(qa[..., 1:, :], kb[..., :-1, :], vb[..., :-1, :], spec, acc)
-        first = out.new_zeros((*out.shape[:-2], 1, out.shape[-1]))
-        none = lse.new_full((*lse.shape[:-1], 1), -math.inf)
-        return torch.cat([first, out], -2), torch.cat([none, lse], -1)
+    if tri is not None:  # one head per query head, as the kernel's causal flag wants
+        g = spec.groups
+        q4, k4, v4 = _by_head(qa, g), _spread(kb, g), _spread(vb, g)
+        if tri == 0:
+            out, lse = _causal(q4, k4, v4, spec, acc)
+        else:  # row 0 sees no key; rows 1: against keys :-1 are the lower triangle
+            out, lse = _causal(q4[..., 1:, :], k4[..., :-1, :], v4[..., :-1, :], spec, acc)
+            out = torch.cat([out.new_zeros((*out.shape[:-2], 1, out.shape[-1])), out], -2)
+            lse = torch.cat([lse.new_full((*lse.shape[:-1], 1), -math.inf), lse], -1)
+        return _by_row(out, g), _by_row(lse.unsqueeze(-1), g).squeeze(-1)
     add, seen = _additive(mask, spec.groups, acc, qa.device)
     out, lse = _flash(qa, kb, vb, add, False, spec, acc)
     if seen is not None:  # the kernel reports 0 for a row that sees nothing: make it -inf
         lse = lse.masked_fill(~seen, -math.inf)
     return out, lse
+
+
+def _by_head(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``(..., hkv, g * rows, e)`` (query heads folded into the rows) -> ``(..., hkv * g, rows,
+    e)``, query head ``h * g + i`` (a view)."""
+    return x.unflatten(-2, (g, -1)).flatten(-4, -3)
+
+
+def _by_row(x: torch.Tensor, g: int) -> torch.Tensor:
+    """The inverse of :func:`_by_head`."""
+    return x.unflatten(-3, (-1, g)).flatten(-3, -2)
+
+
+def _spread(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``(..., hkv, rows, e)`` -> ``(..., hkv * g, rows, e)``: each key/value head once per query
+    head of its group (a copy only when ``g > 1``)."""
+    return x if g == 1 else x.unsqueeze(-3).expand(*x.shape[:-2], g, *x.shape[-2:]).flatten(-4, -3)
 
 
 # Rows from which a lower-triangle block is cut in halves. The CPU kernel's causal flag skips
@@ -462,19 +482,25 @@ def _block_backward(
             torch.matmul(ds.transpose(-1, -2), qa),
             torch.matmul(p.transpose(-1, -2), do),
         )
-    if tri == 0:
-        return _causal_backward(qa, kr, vr, do, out_rows, lse_rows, spec)
-    if tri == 1:  # row 0 and key -1 take no part (see _block_forward)
-        rows, keys = slice(1, None), slice(None, -1)
-        dq, dk, dv = _causal_backward(
-            qa[..., rows, :], kr[..., keys, :], vr[..., keys, :], do[..., rows, :],
-            out_rows[..., rows, :], lse_rows[..., rows], spec,
-        )  # fmt: skip
-        return (
-            torch.cat([dq.new_zeros((*dq.shape[:-2], 1, dq.shape[-1])), dq], -2),
-            torch.cat([dk, dk.new_zeros((*dk.shape[:-2], 1, dk.shape[-1]))], -2),
-            torch.cat([dv, dv.new_zeros((*dv.shape[:-2], 1, dv.shape[-1]))], -2),
-        )
+    if tri is not None:  # as in _block_forward; key/value gradients summed over their group
+        g = spec.groups
+        q4, do4, o4 = _by_head(qa, g), _by_head(do, g), _by_head(out_rows, g)
+        l4 = _by_head(lse_rows.unsqueeze(-1), g).squeeze(-1)
+        k4, v4 = _spread(kr, g), _spread(vr, g)
+        if tri == 0:
+            dq, dk, dv = _causal_backward(q4, k4, v4, do4, o4, l4, spec)
+        else:  # row 0 and key -1 take no part
+            rows, keys = slice(1, None), slice(None, -1)
+            dq, dk, dv = _causal_backward(
+                q4[..., rows, :], k4[..., keys, :], v4[..., keys, :], do4[..., rows, :],
+                o4[..., rows, :], l4[..., rows], spec,
+            )  # fmt: skip
+            dq = torch.cat([dq.new_zeros((*dq.shape[:-2], 1, dq.shape[-1])), dq], -2)
+            dk = torch.cat([dk, dk.new_zeros((*dk.shape[:-2], 1, dk.shape[-1]))], -2)
+            dv = torch.cat([dv, dv.new_zeros((*dv.shape[:-2], 1, dv.shape[-1]))], -2)
+        if g > 1:
+            dk, dv = dk.unflatten(-3, (-1, g)).sum(-3), dv.unflatten(-3, (-1, g)).sum(-3)
+        return _by_row(dq, g), dk, dv
     add, _ = _additive(mask, spec.groups, acc, qa.device)
     return _flash_backward(qa, kr, vr, do, out_rows, lse_rows, add, False, spec)
 
