@@ -30,6 +30,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 _FN = "shard_map"
 
 
+@dataclasses.dataclass(frozen=True)
+class Local(Placement):
+    """Internal input spec: the leaf already is this rank's value, and the map passes it in as
+    is (no block taken, no gradient rule of its own). For callers that build a leaf's boundary
+    themselves (``shard_map_seq`` takes each rank's sequence tokens straight from the whole
+    value)."""
+
+
 class _Mesh:
     """The mesh as one call of a mapped function sees it: sizes, this rank's coordinates, the
     mapped axes (mesh order) and the process groups of axis subsets, resolved once per call."""
@@ -123,7 +131,7 @@ def _enter(x: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> An
             f"reduction; use Replicate() (or None) to give every rank the whole value, or "
             f"Shard(d) / P(...) to split it"
         )
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor) or isinstance(spec, Local):
         return x
     lay = _layout(spec, x.ndim, where, m)
     if m.all is None:

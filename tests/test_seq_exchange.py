@@ -146,3 +146,65 @@ def test_against_single_process(pool, n: int, mesh_shape: dict, axis) -> None:
             for j, t in enumerate(round_trip):
                 keep = real.view([-1 if d == sd else 1 for d in range(t.dim())])
                 assert torch.equal(t, torch.where(keep, xs[j][r], 0.0)), where
+
+
+# ---------------------------------------------- shard_map_seq's entry: this rank's tokens
+
+
+def _take_worker(n: int, mesh_shape: dict, axis, cases: list) -> list:
+    from pshard.sequence._seq_boundary import take_tokens
+
+    ps.init_mesh(mesh_shape)
+    c = _comm.comm(axis, "test")
+    r = c.rank
+    out = []
+    for kind, s, dim, x, ct, tan in cases:
+        lay = SeqLayout(kind, s, n)
+        xr = x.clone().requires_grad_(True)
+        y = take_tokens(xr, dim, lay, c, 7.0)
+        (grad,) = torch.autograd.grad((y * ct[r]).sum(), xr)
+        _, jv = torch.func.jvp(
+            lambda a, lay=lay, dim=dim: take_tokens(a, dim, lay, c, 7.0), (x,), (tan,)
+        )
+        batched = torch.func.vmap(
+            lambda a, lay=lay, dim=dim: take_tokens(a, dim, lay, c, 7.0), in_dims=1
+        )(torch.stack([x, 2 * x], 1))
+        out.append((y.detach(), grad, jv, batched))
+    return [r, out]
+
+
+@pytest.mark.parametrize(
+    "n, mesh_shape, axis",
+    [(2, {"sp": 2}, "sp"), (4, {"a": 2, "b": 2}, ("b", "a"))],
+    ids=["2", "2x2-reordered"],
+)
+def test_take_tokens_against_permuted_whole(pool, n: int, mesh_shape: dict, axis) -> None:
+    """shard_map_seq takes each rank's tokens straight from the whole value: the same block as
+    padding, permuting and chunking the whole (padding slots = the pad value); the gradient of
+    the whole input, the same on every rank, holds every rank's cotangent at its tokens' positions
+    (padding dropped); jvp with zero padding; vmap."""
+    g = torch.Generator().manual_seed(n)
+    cases = []
+    for kind in LAYOUTS:
+        for s, dim, shape in ((11, 1, (2, 11, 3)), (16, 0, (16, 2)), (5, 2, (2, 3, 5))):
+            lay = SeqLayout(kind, s, n)
+            x = torch.randn(*shape, generator=g, dtype=torch.float64)
+            local = list(shape)
+            local[dim] = lay.local_length
+            ct = torch.randn(n, *local, generator=g, dtype=torch.float64)
+            cases.append(
+                (kind, s, dim, x, ct, torch.randn(*shape, generator=g, dtype=torch.float64))
+            )
+    got = dict(pool.run(n, _take_worker, n, mesh_shape, axis, cases))  # by index on the axis
+    for i, (kind, s, dim, x, ct, tan) in enumerate(cases):
+        lay = SeqLayout(kind, s, n)
+        want_grad = unpermute_unpad(torch.cat(list(ct), dim), dim, lay)
+        for r in range(n):
+            y, grad, jv, batched = got[r][i]
+            where = (kind, s, dim, r)
+            assert torch.equal(y, pad_permute(x, dim, lay, 7.0).chunk(n, dim)[r]), where
+            assert torch.equal(grad, want_grad), where
+            assert torch.equal(jv, pad_permute(tan, dim, lay, 0.0).chunk(n, dim)[r]), where
+            for b, scale in enumerate((1, 2)):
+                want = pad_permute(scale * x, dim, lay, 7.0).chunk(n, dim)[r]
+                assert torch.equal(batched[b], want), where

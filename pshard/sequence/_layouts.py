@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +44,16 @@ import torch.nn.functional as F
 
 from .._checks import check_int
 
-__all__ = ["LAYOUTS", "SeqLayout", "along", "check_layout", "pad_permute", "unpermute_unpad"]
+__all__ = [
+    "LAYOUTS",
+    "SeqLayout",
+    "along",
+    "check_layout",
+    "pad_permute",
+    "place_blocks",
+    "take_blocks",
+    "unpermute_unpad",
+]
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -226,12 +236,18 @@ def along(x: torch.Tensor, dim: int, first: int, count: int, stride: int) -> tor
     return x[(slice(None),) * dim + (slice(first, first + stride * (count - 1) + 1, stride),)]
 
 
-def _permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.Tensor:
+def take_blocks(
+    x: torch.Tensor, dim: int, layout: SeqLayout, value: Any, ranks: Iterable[int]
+) -> torch.Tensor:
+    """The blocks of ``ranks`` (in that order, concatenated along ``dim``) of the whole ``x``
+    (``layout.length`` long along ``dim``): each rank's tokens in its order, padding slots filled
+    with ``value``. No autograd."""
+    ranks = tuple(ranks)
     shape = list(x.shape)
-    shape[dim] = layout.padded_length
+    shape[dim] = len(ranks) * layout.local_length
     out = x.new_empty(shape)
-    for r in range(layout.size):
-        base = r * layout.local_length
+    for i, r in enumerate(ranks):
+        base = i * layout.local_length
         for local, first, count, stride in layout.runs(r):
             real = layout.real(first, count, stride)
             if real:
@@ -241,17 +257,26 @@ def _permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.
     return out
 
 
-def _unpermute(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
-    shape = list(y.shape)
+def place_blocks(blocks: Sequence[torch.Tensor], dim: int, layout: SeqLayout) -> torch.Tensor:
+    """The whole sequence (``layout.length`` along ``dim``) from every rank's block, in rank
+    order: each real token at its position, padding dropped. No autograd."""
+    shape = list(blocks[0].shape)
     shape[dim] = layout.length
-    out = y.new_empty(shape)
-    for r in range(layout.size):
-        base = r * layout.local_length
+    out = blocks[0].new_empty(shape)
+    for r, block in enumerate(blocks):
         for local, first, count, stride in layout.runs(r):
             real = layout.real(first, count, stride)
             if real:
-                along(out, dim, first, real, stride).copy_(y.narrow(dim, base + local, real))
+                along(out, dim, first, real, stride).copy_(block.narrow(dim, local, real))
     return out
+
+
+def _permute(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.Tensor:
+    return take_blocks(x, dim, layout, value, range(layout.size))
+
+
+def _unpermute(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
+    return place_blocks(y.chunk(layout.size, dim), dim, layout)
 
 
 class _PadPermute(torch.autograd.Function):

@@ -28,13 +28,76 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._boundary import BlockLayout, FromBlocks
-from .._comm import Comm
+from .._comm import Comm, all_gather
 from .._debug import debug_enabled
 from .._mesh import resolve_axis
 from .._placements import Shard
-from ._layouts import SeqLayout, pad_permute, unpermute_unpad
+from ._layouts import SeqLayout, pad_permute, place_blocks, take_blocks, unpermute_unpad
 
-__all__ = ["SeqBoundary"]
+__all__ = ["SeqBoundary", "take_tokens"]
+
+
+class _TakeTokens(torch.autograd.Function):
+    """``(x, dim, layout, c, pad)``: this rank's tokens of the whole ``x`` along ``dim`` (one copy
+    of its runs, padding slots ``pad``); ``c`` is the axis, ``None`` for one rank. The transpose
+    (a whole value's gradient, the same on every rank) gathers every rank's cotangent block and
+    puts each token at its position."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None, pad: Any) -> Any:  # type: ignore[override]
+        return take_blocks(x, dim, layout, pad, (0 if c is None else c.rank,))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dim, ctx.layout, ctx.c = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _PlaceTokens.apply(g, ctx.dim, ctx.layout, ctx.c), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _TakeTokens.apply(t, ctx.dim, ctx.layout, ctx.c, 0)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, dim: int, layout: SeqLayout, c, pad):
+        return _TakeTokens.apply(x.movedim(in_dims[0], 0), dim + 1, layout, c, pad), 0
+
+
+class _PlaceTokens(torch.autograd.Function):
+    """``(y, dim, layout, c)``: the whole sequence from every rank's block ``y`` (gathered over
+    ``c``), each token at its position, padding dropped; the transpose of :class:`_TakeTokens`
+    (whose transpose it is in turn, with zeros in the padding slots)."""
+
+    @staticmethod
+    def forward(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None) -> Any:  # type: ignore[override]
+        blocks = (y,) if c is None else all_gather(y, c, 0, False).unbind(0)
+        return place_blocks(blocks, dim, layout)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dim, ctx.layout, ctx.c = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _TakeTokens.apply(g, ctx.dim, ctx.layout, ctx.c, 0), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _PlaceTokens.apply(t, ctx.dim, ctx.layout, ctx.c)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, y: torch.Tensor, dim: int, layout: SeqLayout, c):
+        return _PlaceTokens.apply(y.movedim(in_dims[0], 0), dim + 1, layout, c), 0
+
+
+def take_tokens(
+    x: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None, pad: Any
+) -> torch.Tensor:
+    """This rank's tokens of the whole ``x`` along ``dim`` (``layout.length`` long), padding
+    slots ``pad``, as ``pad_permute`` then this rank's block would give them, without building
+    the permuted whole; differentiable (see :class:`_TakeTokens`)."""
+    return _TakeTokens.apply(x, dim, layout, c, pad)
 
 
 class _ShareBlock(torch.autograd.Function):

@@ -1,12 +1,14 @@
 """``shard_map_seq``: ``shard_map`` over one axis, specialised for one sequence.
 
-It is built from ``shard_map`` and the layout functions, with nothing of its own at the
-boundary: outside the map each ``Shard(d)`` input is padded along ``d`` and put in the layout's
-permuted order (:func:`pshard.sequence._layouts.pad_permute`, a local, differentiable index
-operation on the whole value), ``shard_map`` gives each rank its even block, and each ``Shard``
-output that ``shard_map`` gathered is put back in sequence order with its padding removed
-(:func:`~pshard.sequence._layouts.unpermute_unpad`). The gradient convention is therefore
-exactly ``shard_map``'s, and the transposes of the index operations are local.
+It is built from ``shard_map`` and the layout functions. Each ``Shard(d)`` input enters as this
+rank's tokens, copied straight from the whole value, padded (:func:`pshard.sequence.
+_seq_boundary.take_tokens`, whose transpose gathers every rank's cotangent block, as
+``shard_map``'s own boundary does), and ``shard_map`` passes it in as is; under
+``torch.compile`` the input is instead padded and put in the layout's permuted order
+(:func:`pshard.sequence._layouts.pad_permute`) and ``shard_map`` takes each rank's even block,
+the same values. Each ``Shard`` output that ``shard_map`` gathered is put back in sequence order
+with its padding removed (:func:`~pshard.sequence._layouts.unpermute_unpad`). The gradient
+convention is therefore exactly ``shard_map``'s.
 
 While ``fn`` runs, the sequence context (:mod:`pshard.sequence._context`) holds the layout, so
 :func:`pshard.seq_positions` and the attention functions know the true position of every token.
@@ -19,13 +21,16 @@ import numbers
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._annotations import check_out_annotation, default_in_specs, default_out_specs
 from .._checks import axis_names
+from .._comm import Comm
+from .._debug import debug_enabled
 from .._mesh import current_mesh, resolve_axis
 from .._placements import P, Partial, Replicate, Shard, StridedShard
-from .._shard_map import shard_map
+from .._shard_map import Local, shard_map
 from .._specs import broadcast_prefix_flat, is_split, resolve_specs
 from .._tree import (
     describe,
@@ -37,6 +42,7 @@ from .._tree import (
 )
 from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
 from ._layouts import SeqLayout, check_layout, pad_permute, unpermute_unpad
+from ._seq_boundary import take_tokens
 
 __all__ = ["shard_map_seq"]
 
@@ -247,11 +253,25 @@ def shard_map_seq(
             )
         lay = SeqLayout(layout, length, info.size)
         ctx = SeqContext(key, lay, info.rank, device, m)
-        flat = [
-            x if d is None else pad_permute(x, d, lay, _pad_value(pad, keystr(path, "pad_values")))
-            for path, x, d, pad in zip(paths, leaves, dims, pads, strict=True)
+        values = [
+            None if d is None else _pad_value(pad, keystr(path, "pad_values"))
+            for path, d, pad in zip(paths, dims, pads, strict=True)
         ]
-        inner_specs = [Replicate() if d is None else Shard(d) for d in dims]
+        if torch.compiler.is_compiling():  # traceable: the permuted whole, shard_map's blocks
+            flat = [
+                x if d is None else pad_permute(x, d, lay, value)
+                for x, d, value in zip(leaves, dims, values, strict=True)
+            ]
+            inner_specs = [Replicate() if d is None else Shard(d) for d in dims]
+        else:  # this rank's tokens straight from the whole value (no permuted whole)
+            c = None
+            if info.group is not None:
+                c = Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
+            flat = [
+                x if d is None else take_tokens(x, d, lay, c, value)
+                for x, d, value in zip(leaves, dims, values, strict=True)
+            ]
+            inner_specs = [Replicate() if d is None else Local() for d in dims]
 
         def body(flat_inner: list[Any], **kw: Any) -> Any:
             with sequence_context(ctx):
