@@ -32,10 +32,10 @@ _FN = "shard_map"
 
 @dataclasses.dataclass(frozen=True)
 class Local(Placement):
-    """Internal input spec: the leaf already is this rank's value, and the map passes it in as
-    is (no block taken, no gradient rule of its own). For callers that build a leaf's boundary
-    themselves (``shard_map_seq`` takes each rank's sequence tokens straight from the whole
-    value)."""
+    """Internal spec: the leaf already is this rank's value, and the map passes it in or out as
+    is (no block taken or gathered, no gradient rule of its own). For callers that build a
+    leaf's boundary themselves (``shard_map_seq`` takes each rank's sequence tokens straight
+    from the whole value and puts the gathered tokens in sequence order)."""
 
 
 class _Mesh:
@@ -149,6 +149,8 @@ def _enter(x: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> An
 
 def _exit(y: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> Any:
     """The whole output leaf from every rank's block ``y``."""
+    if isinstance(spec, Local):
+        return y
     if not isinstance(y, torch.Tensor):
         if isinstance(spec, Partial):
             raise ValueError(

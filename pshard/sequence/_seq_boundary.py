@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._boundary import BlockLayout, FromBlocks
+from .._boundary import BlockLayout, FromBlocks, _exchange_shapes
 from .._comm import Comm, all_gather
 from .._debug import debug_enabled
 from .._mesh import resolve_axis
 from .._placements import Shard
 from ._layouts import SeqLayout, pad_permute, place_blocks, take_blocks, unpermute_unpad
 
-__all__ = ["SeqBoundary", "take_tokens"]
+__all__ = ["SeqBoundary", "place_tokens", "take_tokens"]
 
 
 class _TakeTokens(torch.autograd.Function):
@@ -53,7 +53,7 @@ class _TakeTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _PlaceTokens.apply(g, ctx.dim, ctx.layout, ctx.c), None, None, None, None
+        return _PlaceTokens.apply(g, ctx.dim, ctx.layout, ctx.c, None), None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
@@ -65,14 +65,23 @@ class _TakeTokens(torch.autograd.Function):
 
 
 class _PlaceTokens(torch.autograd.Function):
-    """``(y, dim, layout, c)``: the whole sequence from every rank's block ``y`` (gathered over
-    ``c``), each token at its position, padding dropped; the transpose of :class:`_TakeTokens`
-    (whose transpose it is in turn, with zeros in the padding slots)."""
+    """``(y, dim, layout, c, label)``: the whole sequence from every rank's block ``y`` (gathered
+    over ``c`` in axis-index order), each token at its position, padding dropped; with
+    ``label`` (the output's key path and spec) the ranks first check that their blocks have one
+    shape. The transpose of :class:`_TakeTokens` (whose transpose it is in turn, with zeros in
+    the padding slots)."""
 
     @staticmethod
-    def forward(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None) -> Any:  # type: ignore[override]
-        blocks = (y,) if c is None else all_gather(y, c, 0, False).unbind(0)
-        return place_blocks(blocks, dim, layout)
+    def forward(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None, label: Any) -> Any:  # type: ignore[override]
+        if c is None:
+            return place_blocks((y,), dim, layout)
+        if label is not None:
+            lay = BlockLayout(
+                shards=(Shard(dim),), sizes=(c.size,), coord=(c.rank,), perm=(0,), gather=c,
+                label=label,
+            )  # fmt: skip
+            _exchange_shapes(y, lay)
+        return place_blocks(all_gather(y, c, 0, False).unbind(0), dim, layout)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -80,15 +89,15 @@ class _PlaceTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _TakeTokens.apply(g, ctx.dim, ctx.layout, ctx.c, 0), None, None, None
+        return _TakeTokens.apply(g, ctx.dim, ctx.layout, ctx.c, 0), None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _PlaceTokens.apply(t, ctx.dim, ctx.layout, ctx.c)
+        return _PlaceTokens.apply(t, ctx.dim, ctx.layout, ctx.c, None)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, y: torch.Tensor, dim: int, layout: SeqLayout, c):
-        return _PlaceTokens.apply(y.movedim(in_dims[0], 0), dim + 1, layout, c), 0
+    def vmap(info: Any, in_dims: tuple, y: torch.Tensor, dim: int, layout: SeqLayout, c, label):
+        return _PlaceTokens.apply(y.movedim(in_dims[0], 0), dim + 1, layout, c, label), 0
 
 
 def take_tokens(
@@ -98,6 +107,16 @@ def take_tokens(
     slots ``pad``, as ``pad_permute`` then this rank's block would give them, without building
     the permuted whole; differentiable (see :class:`_TakeTokens`)."""
     return _TakeTokens.apply(x, dim, layout, c, pad)
+
+
+def place_tokens(
+    y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None, label: str
+) -> torch.Tensor:
+    """The whole sequence along ``dim`` from every rank's tokens ``y`` (this rank's block under
+    ``layout``), in sequence order, padding dropped; the ranks' blocks must have one shape
+    (checked first: ``label`` names the output in the error). Differentiable, the transpose of
+    :func:`take_tokens` (zero padding)."""
+    return _PlaceTokens.apply(y, dim, layout, c, label)
 
 
 class _ShareBlock(torch.autograd.Function):

@@ -29,7 +29,7 @@ from .._checks import axis_names
 from .._comm import Comm
 from .._debug import debug_enabled
 from .._mesh import current_mesh, resolve_axis
-from .._placements import P, Partial, Replicate, Shard, StridedShard
+from .._placements import P, Partial, Placement, Replicate, Shard, StridedShard
 from .._shard_map import Local, shard_map
 from .._specs import broadcast_prefix_flat, is_split, resolve_specs
 from .._tree import (
@@ -38,11 +38,12 @@ from .._tree import (
     keystr,
     tree_flatten_with_path,
     tree_leaves,
+    tree_map,
     tree_unflatten,
 )
 from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
 from ._layouts import SeqLayout, check_layout, pad_permute, unpermute_unpad
-from ._seq_boundary import take_tokens
+from ._seq_boundary import place_tokens, take_tokens
 
 __all__ = ["shard_map_seq"]
 
@@ -61,6 +62,29 @@ def _check_spec(spec: Any, where: str, outputs: bool) -> None:
         raise ValueError(
             f"{_FN} {where}: {spec!r} is not a sequence spec; shard_map_seq splits one sequence "
             f"dim over its axis: use {allowed} (use ps.shard_map for other layouts)"
+        )
+
+
+def _local_shards(out_tree: Any) -> Any:
+    """``out_tree`` with each ``Shard`` spec as ``Local``: the map passes those outputs out as is
+    and ``shard_map_seq`` gathers them itself, in the axis's order."""
+    return tree_map(
+        lambda s: Local() if isinstance(s, Shard) else s,
+        out_tree,
+        is_leaf=lambda s: isinstance(s, (Placement, P)),
+        none_is_leaf=True,
+    )
+
+
+def _check_mesh_order(names: tuple[str, ...], m: DeviceMesh) -> None:
+    """Under ``torch.compile`` the blocks are ``shard_map``'s, whose ranks over several mesh
+    axes count in the mesh's order: refuse a tuple given in another order."""
+    order = tuple(m.mesh_dim_names or ())
+    mine = tuple(n for n in order if n in names)
+    if mine != tuple(names):
+        raise NotImplementedError(
+            f"{_FN}: under torch.compile the axes {tuple(names)} must be given in the mesh's "
+            f"order {mine}; name them in that order, or run this map eagerly"
         )
 
 
@@ -257,16 +281,18 @@ def shard_map_seq(
             None if d is None else _pad_value(pad, keystr(path, "pad_values"))
             for path, d, pad in zip(paths, dims, pads, strict=True)
         ]
-        if torch.compiler.is_compiling():  # traceable: the permuted whole, shard_map's blocks
+        compiling = torch.compiler.is_compiling()
+        c = None  # the axis, in the order given (None for one rank)
+        if info.group is not None:
+            c = Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
+        if compiling:  # traceable: the permuted whole, shard_map's blocks
+            _check_mesh_order(names, m)
             flat = [
                 x if d is None else pad_permute(x, d, lay, value)
                 for x, d, value in zip(leaves, dims, values, strict=True)
             ]
             inner_specs = [Replicate() if d is None else Shard(d) for d in dims]
         else:  # this rank's tokens straight from the whole value (no permuted whole)
-            c = None
-            if info.group is not None:
-                c = Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
             flat = [
                 x if d is None else take_tokens(x, d, lay, c, value)
                 for x, d, value in zip(leaves, dims, values, strict=True)
@@ -296,7 +322,7 @@ def shard_map_seq(
             body,
             mesh=m,
             in_specs=(inner_specs,),
-            out_specs=out_tree,
+            out_specs=out_tree if compiling else _local_shards(out_tree),
             axis_names=names,
         )(flat, **kwargs)
         out_paths, out_leaves, out_def = tree_flatten_with_path(out)
@@ -304,8 +330,14 @@ def shard_map_seq(
         return tree_unflatten(
             out_def,
             [
-                unpermute_unpad(y, spec.dim % y.dim(), lay) if isinstance(spec, Shard) else y
-                for y, spec in zip(out_leaves, out_flat, strict=True)
+                y
+                if not isinstance(spec, Shard)
+                else unpermute_unpad(y, spec.dim % y.dim(), lay)
+                if compiling
+                else place_tokens(
+                    y, spec.dim % y.dim(), lay, c, f"{keystr(path, 'out_specs')} ({spec!r})"
+                )
+                for path, y, spec in zip(out_paths, out_leaves, out_flat, strict=True)
             ],
         )
 
