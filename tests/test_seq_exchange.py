@@ -2,7 +2,7 @@
 oracle built from the layout's permutation: every layout, padded lengths, several tensors of
 different head counts and sizes in one exchange, other dim orders and batch dims, an axis whose
 indices are not its group's ranks; gradients with random cotangents, jvp, vmap, and the round
-trip."""
+trip. Also shard_map_seq's entry (take_tokens) against the permuted whole."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pshard as ps
 from pshard import _comm
 from pshard.sequence._exchange import heads_to_tokens, tokens_to_heads
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute, unpermute_unpad
+from pshard.sequence._seq_boundary import take_tokens
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
@@ -152,8 +153,6 @@ def test_against_single_process(pool, n: int, mesh_shape: dict, axis) -> None:
 
 
 def _take_worker(n: int, mesh_shape: dict, axis, cases: list) -> list:
-    from pshard.sequence._seq_boundary import take_tokens
-
     ps.init_mesh(mesh_shape)
     c = _comm.comm(axis, "test")
     r = c.rank
