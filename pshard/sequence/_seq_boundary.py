@@ -1,10 +1,12 @@
-"""The boundary of one split sequence: pad -> permute -> this rank's block on the way in, and
-every rank's block -> gather -> un-permute -> unpad on the way out.
+"""The boundary of one split sequence: this rank's tokens (padded, in the layout's order) of a
+whole value on the way in, every rank's tokens gathered and put in sequence order on the way out.
 
-``shard_map_seq`` gets the same boundary from ``shard_map`` (its ``Shard`` specs over the padded,
-permuted value); this class gives it to the ``sequence_parallel`` hooks, which have no map around
-them, built on the same layout functions (:mod:`pshard.sequence._layouts`) and the same gather
-and reduce Functions (:mod:`pshard._boundary`), with errors that name the caller.
+- :func:`take_tokens` / :func:`place_tokens`: the two directions as ``shard_map_seq`` uses them,
+  each the other's transpose (a whole input's gradient gathers every rank's cotangent; a whole
+  output's cotangent is sliced), ranks counted in the axis's order;
+- :class:`SeqBoundary`: the boundary of the ``sequence_parallel`` hooks, which have no map
+  around them, built on the same layout functions (:mod:`pshard.sequence._layouts`), the same
+  gather and the reduce Function of :mod:`pshard._boundary`, with errors that name the caller.
 
 Gradient convention of the hooks (one for everything that crosses the boundary): after the
 backward pass each rank holds *its tokens' share* of every gradient, for the parameters and for
@@ -32,7 +34,7 @@ from .._comm import Comm, all_gather
 from .._debug import debug_enabled
 from .._mesh import resolve_axis
 from .._placements import Shard
-from ._layouts import SeqLayout, pad_permute, place_blocks, take_blocks, unpermute_unpad
+from ._layouts import SeqLayout, pad_permute, place_blocks, take_blocks
 
 __all__ = ["SeqBoundary", "place_tokens", "take_tokens"]
 
@@ -159,16 +161,6 @@ class SeqBoundary:
             else Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
         )
 
-    def _blocks(self, dim: int, where: str) -> BlockLayout:
-        return BlockLayout(
-            shards=(Shard(dim),),
-            sizes=(self.size,),
-            coord=(self.rank,),
-            perm=(0,),
-            gather=self.comm,
-            label=f"{self.fn} {where} (Shard({dim}))",
-        )
-
     def split(self, x: torch.Tensor, dim: int, pad: Any) -> torch.Tensor:
         """This rank's tokens of ``x`` along ``dim`` (padded with ``pad``, permuted); the
         transpose is this rank's share (see the module docs)."""
@@ -183,9 +175,7 @@ class SeqBoundary:
 
     def gather(self, y: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """The whole sequence from every rank's tokens ``y`` along ``dim``, in sequence order."""
-        if self.comm is not None:
-            y = FromBlocks.apply(y, self._blocks(dim, where), False, 1.0, None, None)
-        return unpermute_unpad(y, dim, self.layout)
+        return place_tokens(y, dim, self.layout, self.comm, f"{self.fn} {where} (Shard({dim}))")
 
     def reduce(self, y: torch.Tensor, where: str) -> torch.Tensor:
         """The sum over the axis of every rank's ``y`` (each rank's share of a loss)."""
