@@ -240,3 +240,26 @@ def test_tuple_axis_in_any_order(pool, axis, layout) -> None:
     (Given out of the mesh's order, the tokens and the positions used to disagree silently.)"""
     for got in pool.run(4, _axis_order_worker, axis, layout):
         assert got == {"round trip": True, "positions": True, "grad": True, "attention": True}
+
+
+def _usp_mesh_order_worker(mesh_shape: dict, layout: str) -> bool:
+    ps.init_mesh(mesh_shape)
+    q = torch.randn(1, 13, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got = ps.shard_map_seq(
+        lambda q: ps.usp_attention(
+            q, q, q, ulysses_axis="uly", ring_axis="ring", causal=True
+        ),
+        axis=("ring", "uly"), layout=layout, in_specs=ps.Shard(1), out_specs=ps.Shard(1),
+    )(q)  # fmt: skip
+    full = torch.nn.functional.scaled_dot_product_attention(
+        *(q.transpose(1, 2),) * 3, is_causal=True
+    ).transpose(1, 2)
+    return torch.allclose(got, full, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_usp_on_a_mesh_of_the_other_order(pool, layout) -> None:
+    """usp_attention over axis ("ring", "uly") equals full attention whichever order the mesh
+    lists the two axes in (on a {"uly", "ring"} mesh it used to differ, silently)."""
+    for shape in ({"ring": 2, "uly": 2}, {"uly": 2, "ring": 2}):
+        assert pool.run(4, _usp_mesh_order_worker, shape, layout) == [True] * 4, shape
