@@ -171,7 +171,7 @@ class SeqBoundary:
 
     def take(self, x: torch.Tensor, dim: int, pad: Any) -> torch.Tensor:
         """This rank's tokens of ``x`` (no autograd; for ids and masks)."""
-        return pad_permute(x, dim, self.layout, pad).chunk(self.size, dim)[self.rank]
+        return take_blocks(x, dim % x.dim(), self.layout, pad, (self.rank,))
 
     def gather(self, y: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """The whole sequence from every rank's tokens ``y`` along ``dim``, in sequence order."""
