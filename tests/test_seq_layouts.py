@@ -15,6 +15,7 @@ from pshard.sequence._layouts import (
     pad_permute,
     unpermute_unpad,
 )
+from pshard.sequence._seq_boundary import _ShareTokens
 
 SIZES = range(1, 6)
 LENGTHS = range(14)
@@ -179,3 +180,36 @@ def test_errors() -> None:
         SeqLayout("stripe", 3.0, 2)
     with pytest.raises(ValueError, match=re.escape("SeqLayout: rank 2 is out of range")):
         SeqLayout("stripe", 3, 2).positions(2)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_hooks_share_split_against_the_permuted_whole(kind: str) -> None:
+    """The hooks' split: rank r's tokens of the whole value straight from it, the same as
+    padding, permuting and chunking; its transpose puts the cotangent at r's positions, zeros
+    elsewhere (r's share), and is linear again (double backward), with jvp and vmap."""
+    g = torch.Generator().manual_seed(0)
+    for n, s, dim, shape in ((2, 11, 1, (2, 11, 3)), (4, 7, 0, (7, 2)), (3, 5, 2, (2, 3, 5))):
+        lay = SeqLayout(kind, s, n)
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        for r in range(n):
+            want = pad_permute(x, dim, lay, 5.0).chunk(n, dim)[r]
+            xr = x.clone().requires_grad_(True)
+            y = _ShareTokens.apply(xr, dim, lay, r, 5.0)
+            assert torch.equal(y, want)
+            ct = torch.randn(y.shape, generator=g, dtype=torch.float64, requires_grad=True)
+            (grad,) = torch.autograd.grad((y * ct).sum(), xr, create_graph=True)
+            blocks = [ct.detach() if i == r else torch.zeros_like(ct) for i in range(n)]
+            assert torch.equal(grad, unpermute_unpad(torch.cat(blocks, dim), dim, lay))
+            w = torch.randn(grad.shape, generator=g, dtype=torch.float64)
+            (again,) = torch.autograd.grad((grad * w).sum(), ct)  # d/d ct of <share(ct), w>
+            assert torch.equal(again, pad_permute(w, dim, lay, 0.0).chunk(n, dim)[r])
+            tan = torch.randn(*shape, generator=g, dtype=torch.float64)
+            _, jv = torch.func.jvp(
+                lambda a, r=r, d=dim, lay=lay: _ShareTokens.apply(a, d, lay, r, 5.0), (x,), (tan,)
+            )
+            assert torch.equal(jv, pad_permute(tan, dim, lay, 0.0).chunk(n, dim)[r])
+            batched = torch.func.vmap(
+                lambda a, r=r, d=dim, lay=lay: _ShareTokens.apply(a, d, lay, r, 5.0)
+            )(torch.stack([x, 2 * x]))
+            assert torch.equal(batched[1], pad_permute(2 * x, dim, lay, 5.0).chunk(n, dim)[r])

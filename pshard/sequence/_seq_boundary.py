@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._boundary import BlockLayout, FromBlocks, _exchange_shapes
@@ -34,7 +33,7 @@ from .._comm import Comm, all_gather
 from .._debug import debug_enabled
 from .._mesh import resolve_axis
 from .._placements import Shard
-from ._layouts import SeqLayout, pad_permute, place_blocks, take_blocks
+from ._layouts import SeqLayout, along, pad_permute, place_blocks, take_blocks
 
 __all__ = ["SeqBoundary", "place_tokens", "take_tokens"]
 
@@ -121,30 +120,63 @@ def place_tokens(
     return _PlaceTokens.apply(y, dim, layout, c, label)
 
 
-class _ShareBlock(torch.autograd.Function):
-    """This rank's block along ``dim`` of ``size`` even blocks; the transpose puts the
-    cotangent back at the block's place, zeros elsewhere (this rank's share)."""
-
-    generate_vmap_rule = True
+class _ShareTokens(torch.autograd.Function):
+    """``(x, dim, layout, rank, pad)``: ``rank``'s tokens of the whole ``x`` along ``dim``
+    (padding slots ``pad``); the transpose puts the cotangent back at this rank's positions,
+    zeros elsewhere (this rank's share, see the module docs)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:  # type: ignore[override]
-        return x.chunk(size, dim)[rank].clone()
+    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, rank: int, pad: Any) -> Any:  # type: ignore[override]
+        return take_blocks(x, dim, layout, pad, (rank,))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dim, ctx.rank, ctx.size = inputs[1], inputs[2], inputs[3]
+        ctx.args = inputs[1:4]
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        d = ctx.dim % g.dim()
-        local = g.shape[d]
-        pad = [0, 0] * (g.dim() - 1 - d) + [ctx.rank * local, (ctx.size - 1 - ctx.rank) * local]
-        return F.pad(g, pad), None, None, None
+        return _Share.apply(g, *ctx.args), None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return t.chunk(ctx.size, ctx.dim)[ctx.rank].clone()
+        return _ShareTokens.apply(t, *ctx.args, 0)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, dim: int, layout: SeqLayout, rank, pad):
+        return _ShareTokens.apply(x.movedim(in_dims[0], 0), dim + 1, layout, rank, pad), 0
+
+
+class _Share(torch.autograd.Function):
+    """``(g, dim, layout, rank)``: the whole sequence with ``rank``'s real tokens ``g`` at their
+    positions, zeros elsewhere; the transpose of :class:`_ShareTokens` (and its own transpose is
+    that, with zero padding)."""
+
+    @staticmethod
+    def forward(g: torch.Tensor, dim: int, layout: SeqLayout, rank: int) -> Any:  # type: ignore[override]
+        shape = list(g.shape)
+        shape[dim] = layout.length
+        out = g.new_zeros(shape)
+        for local, first, count, stride in layout.runs(rank):
+            real = layout.real(first, count, stride)
+            if real:
+                along(out, dim, first, real, stride).copy_(g.narrow(dim, local, real))
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.args = inputs[1:4]
+
+    @staticmethod
+    def backward(ctx: Any, h: torch.Tensor) -> tuple[Any, ...]:
+        return _ShareTokens.apply(h, *ctx.args, 0), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _Share.apply(t, *ctx.args)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, g: torch.Tensor, dim: int, layout: SeqLayout, rank):
+        return _Share.apply(g.movedim(in_dims[0], 0), dim + 1, layout, rank), 0
 
 
 class SeqBoundary:
@@ -164,10 +196,9 @@ class SeqBoundary:
     def split(self, x: torch.Tensor, dim: int, pad: Any) -> torch.Tensor:
         """This rank's tokens of ``x`` along ``dim`` (padded with ``pad``, permuted); the
         transpose is this rank's share (see the module docs)."""
-        x = pad_permute(x, dim, self.layout, pad)
         if self.comm is None:
-            return x
-        return _ShareBlock.apply(x, dim, self.rank, self.size)
+            return pad_permute(x, dim, self.layout, pad)
+        return _ShareTokens.apply(x, dim % x.dim(), self.layout, self.rank, pad)
 
     def take(self, x: torch.Tensor, dim: int, pad: Any) -> torch.Tensor:
         """This rank's tokens of ``x`` (no autograd; for ids and masks)."""
