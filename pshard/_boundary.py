@@ -46,7 +46,14 @@ from ._comm import Comm, all_gather, all_reduce
 from ._layout import _runs
 from ._placements import Placement
 
-__all__ = ["BlockLayout", "ToBlock", "FromBlocks", "PartialExtreme", "check_replicated"]
+__all__ = [
+    "BlockLayout",
+    "ToBlock",
+    "FromBlocks",
+    "PartialExtreme",
+    "check_replicated",
+    "exchange_shapes",
+]
 
 _SHAPE_WIDTH = 16  # fixed width of the shape exchange, so ranks disagreeing on ndim are caught
 
@@ -182,7 +189,7 @@ def _slice(x: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
     return out
 
 
-def _exchange_shapes(y: torch.Tensor, lay: BlockLayout) -> tuple[int, ...]:
+def exchange_shapes(y: torch.Tensor, lay: BlockLayout) -> tuple[int, ...]:
     """Every rank's block shape (over ``lay.gather``); returns the whole shape, after checking
     that the blocks are those of the layout."""
     c = lay.gather
@@ -239,7 +246,7 @@ def _assemble(y: torch.Tensor, lay: BlockLayout, whole: tuple[int, ...] | None) 
     c = lay.gather
     assert c is not None
     if whole is None:
-        whole = _exchange_shapes(y, lay)
+        whole = exchange_shapes(y, lay)
     plan = _plan(lay.shards, lay.sizes, lay.perm, whole)
     if tuple(y.shape) != plan.pad:
         padded = y.new_zeros(plan.pad)

@@ -263,3 +263,19 @@ def test_usp_on_a_mesh_of_the_other_order(pool, layout) -> None:
     lists the two axes in (on a {"uly", "ring"} mesh it used to differ, silently)."""
     for shape in ({"ring": 2, "uly": 2}, {"uly": 2, "ring": 2}):
         assert pool.run(4, _usp_mesh_order_worker, shape, layout) == [True] * 4, shape
+
+
+def test_compiled_maps_refuse_a_tuple_out_of_mesh_order() -> None:
+    """Under torch.compile the blocks are shard_map's (mesh order): a tuple in another order is
+    refused with an error naming both orders; the mesh's order passes."""
+    from types import SimpleNamespace
+
+    from pshard.sequence._shard_map_seq import _check_mesh_order
+
+    mesh = SimpleNamespace(mesh_dim_names=("a", "b", "c"))
+    _check_mesh_order(("a", "c"), mesh)
+    with pytest.raises(
+        NotImplementedError,
+        match=re.escape("('c', 'a') must be given in the mesh's order ('a', 'c')"),
+    ):
+        _check_mesh_order(("c", "a"), mesh)

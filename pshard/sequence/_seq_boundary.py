@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._boundary import BlockLayout, FromBlocks, _exchange_shapes
+from .._boundary import BlockLayout, FromBlocks, exchange_shapes
 from .._comm import Comm, all_gather
 from .._debug import debug_enabled
 from .._mesh import resolve_axis
@@ -81,7 +81,7 @@ class _PlaceTokens(torch.autograd.Function):
                 shards=(Shard(dim),), sizes=(c.size,), coord=(c.rank,), perm=(0,), gather=c,
                 label=label,
             )  # fmt: skip
-            _exchange_shapes(y, lay)
+            exchange_shapes(y, lay)
         return place_blocks(all_gather(y, c, 0, False).unbind(0), dim, layout)
 
     @staticmethod
