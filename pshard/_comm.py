@@ -15,6 +15,7 @@ reliably faster (``benchmarks/collectives.py``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -149,12 +150,7 @@ def gather_into(buf: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup |
     """Every group rank's contiguous ``inp`` into ``buf[group rank]``; ``buf`` is contiguous,
     of shape ``(group size, *inp.shape)``."""
     size = dist.get_world_size(group)
-    if (
-        size > 1
-        and inp.device.type == "cpu"
-        and inp.numel() * inp.element_size() >= PAIRWISE_GATHER_BYTES
-        and "gloo" in str(dist.get_backend(group)).lower()
-    ):
+    if size > 1 and pairwise(inp, group):
         me = dist.get_rank(group)
         buf[me].copy_(inp)
         ops = []
@@ -165,6 +161,39 @@ def gather_into(buf: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup |
         wait(dist.batch_isend_irecv(ops))
         return
     _all_gather_flat(buf.view(-1), inp.view(-1), group=group)  # flat: any backend, no copy
+
+
+def pairwise(x: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether gathering ``x`` (this rank's block) over ``group`` goes as pairwise sends and
+    receives: a CPU tensor of :data:`PAIRWISE_GATHER_BYTES` or more on gloo."""
+    return (
+        x.device.type == "cpu"
+        and x.numel() * x.element_size() >= PAIRWISE_GATHER_BYTES
+        and "gloo" in str(dist.get_backend(group)).lower()
+    )
+
+
+def gather_parts(
+    x: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[Sequence[torch.Tensor]], c: Comm
+) -> None:
+    """Every index's parts of its block straight into their places: ``send`` are parts of this
+    rank's block ``x``, ``recv[i]`` the tensors (views of an output, say) that take index
+    ``i``'s parts, one per part, in order; ``recv[c.rank]`` are copied from ``send`` here. All
+    contiguous; one batch of sends and receives, part ``j`` with tag ``j``. The all-gather of
+    :func:`gather_into` without its buffer, for blocks whose parts land apart."""
+    if c.debug:
+        check_collective("all_gather", c.group, c.name, x)
+    for dst, src in zip(recv[c.rank], send, strict=True):
+        dst.copy_(src)
+    ops = []
+    for step in range(1, c.size):  # shifted partners, as in gather_into
+        to, frm = (c.rank + step) % c.size, (c.rank - step) % c.size
+        ops += [dist.P2POp(dist.isend, t, _peer(c, to), c.group, j) for j, t in enumerate(send)]
+        ops += [
+            dist.P2POp(dist.irecv, t, _peer(c, frm), c.group, j) for j, t in enumerate(recv[frm])
+        ]
+    if ops:
+        wait(dist.batch_isend_irecv(ops))
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:

@@ -6,11 +6,15 @@ trip. Also shard_map_seq's entry (take_tokens) against the permuted whole."""
 
 from __future__ import annotations
 
+import math
+from unittest import mock
+
 import pytest
 import torch
 
 import pshard as ps
 from pshard import _comm
+from pshard.sequence import _seq_boundary
 from pshard.sequence._exchange import heads_to_tokens, tokens_to_heads
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute, unpermute_unpad
 from pshard.sequence._seq_boundary import take_tokens
@@ -152,24 +156,31 @@ def test_against_single_process(pool, n: int, mesh_shape: dict, axis) -> None:
 # ---------------------------------------------- shard_map_seq's entry: this rank's tokens
 
 
-def _take_worker(n: int, mesh_shape: dict, axis, cases: list) -> list:
+def _take_worker(n: int, mesh_shape: dict, axis, cases: list, direct: bool) -> list:
     ps.init_mesh(mesh_shape)
     c = _comm.comm(axis, "test")
     r = c.rank
     out = []
-    for kind, s, dim, x, ct, tan in cases:
-        lay = SeqLayout(kind, s, n)
-        xr = x.clone().requires_grad_(True)
-        y = take_tokens(xr, dim, lay, c, 7.0)
-        (grad,) = torch.autograd.grad((y * ct[r]).sum(), xr)
-        _, jv = torch.func.jvp(
-            lambda a, lay=lay, dim=dim: take_tokens(a, dim, lay, c, 7.0), (x,), (tan,)
-        )
-        batched = torch.func.vmap(
-            lambda a, lay=lay, dim=dim: take_tokens(a, dim, lay, c, 7.0), in_dims=1
-        )(torch.stack([x, 2 * x], 1))
-        out.append((y.detach(), grad, jv, batched))
-    return [r, out]
+    # direct: every gather pairwise, so that the gradients' gathers go straight into place
+    # wherever the runs are contiguous memory (counted)
+    threshold = 0 if direct else _comm.PAIRWISE_GATHER_BYTES
+    parts = mock.patch.object(_seq_boundary, "gather_parts", wraps=_seq_boundary.gather_parts)
+    with mock.patch.object(_comm, "PAIRWISE_GATHER_BYTES", threshold), parts as placed:
+        for case in cases:
+            out.append(_take_case(c, n, *case))
+    return [r, out, placed.call_count]
+
+
+def _take_case(c, n: int, kind, s, dim, x, ct, tan) -> tuple:
+    lay = SeqLayout(kind, s, n)
+    xr = x.clone().requires_grad_(True)
+    y = take_tokens(xr, dim, lay, c, 7.0)
+    (grad,) = torch.autograd.grad((y * ct[c.rank]).sum(), xr)
+    _, jv = torch.func.jvp(lambda a: take_tokens(a, dim, lay, c, 7.0), (x,), (tan,))
+    batched = torch.func.vmap(lambda a: take_tokens(a, dim, lay, c, 7.0), in_dims=1)(
+        torch.stack([x, 2 * x], 1)
+    )
+    return y.detach(), grad, jv, batched
 
 
 @pytest.mark.parametrize(
@@ -177,15 +188,22 @@ def _take_worker(n: int, mesh_shape: dict, axis, cases: list) -> list:
     [(2, {"sp": 2}, "sp"), (4, {"a": 2, "b": 2}, ("b", "a"))],
     ids=["2", "2x2-reordered"],
 )
-def test_take_tokens_against_permuted_whole(pool, n: int, mesh_shape: dict, axis) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["gathered", "direct"])
+def test_take_tokens_against_permuted_whole(
+    pool, n: int, mesh_shape: dict, axis, direct: bool
+) -> None:
     """shard_map_seq takes each rank's tokens straight from the whole value: the same block as
     padding, permuting and chunking the whole (padding slots = the pad value); the gradient of
     the whole input, the same on every rank, holds every rank's cotangent at its tokens' positions
-    (padding dropped); jvp with zero padding; vmap."""
+    (padding dropped), gathered into a buffer and placed, or (direct) each rank's runs received
+    straight into their positions where they are contiguous memory (nothing before the sequence
+    dim, runs of consecutive positions; padded runs, empty runs); jvp with zero padding; vmap."""
     g = torch.Generator().manual_seed(n)
     cases = []
+    shapes = [(11, 1, (2, 11, 3)), (16, 0, (16, 2)), (5, 2, (2, 3, 5))]
+    shapes += [(13, 1, (1, 13, 3)), (5, 1, (1, 5, 2))]
     for kind in LAYOUTS:
-        for s, dim, shape in ((11, 1, (2, 11, 3)), (16, 0, (16, 2)), (5, 2, (2, 3, 5))):
+        for s, dim, shape in shapes:
             lay = SeqLayout(kind, s, n)
             x = torch.randn(*shape, generator=g, dtype=torch.float64)
             local = list(shape)
@@ -194,7 +212,11 @@ def test_take_tokens_against_permuted_whole(pool, n: int, mesh_shape: dict, axis
             cases.append(
                 (kind, s, dim, x, ct, torch.randn(*shape, generator=g, dtype=torch.float64))
             )
-    got = dict(pool.run(n, _take_worker, n, mesh_shape, axis, cases))  # by index on the axis
+    res = pool.run(n, _take_worker, n, mesh_shape, axis, cases, direct)
+    got = {r: out for r, out, _ in res}  # by index on the axis
+    # one gather per case (the gradient's); straight into place unless stripe or a batch before
+    straight = [kind != "stripe" and math.prod(x.shape[:dim]) == 1 for kind, _, dim, x, *_ in cases]
+    assert {placed for *_, placed in res} == {sum(straight) if direct else 0}
     for i, (kind, s, dim, x, ct, tan) in enumerate(cases):
         lay = SeqLayout(kind, s, n)
         want_grad = unpermute_unpad(torch.cat(list(ct), dim), dim, lay)

@@ -23,13 +23,14 @@ the inputs alike, and :func:`pshard.reduce_gradients` (a sum over the axis) comp
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._boundary import BlockLayout, FromBlocks, exchange_shapes
-from .._comm import Comm, all_gather
+from .._comm import Comm, all_gather, gather_parts, pairwise
 from .._debug import debug_enabled
 from .._mesh import resolve_axis
 from .._placements import Shard
@@ -82,7 +83,10 @@ class _PlaceTokens(torch.autograd.Function):
                 label=label,
             )  # fmt: skip
             exchange_shapes(y, lay)
-        return place_blocks(all_gather(y, c, 0, False).unbind(0), dim, layout)
+        out = _place_direct(y, dim, layout, c)
+        if out is None:
+            out = place_blocks(all_gather(y, c, 0, False).unbind(0), dim, layout)
+        return out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -99,6 +103,34 @@ class _PlaceTokens(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple, y: torch.Tensor, dim: int, layout: SeqLayout, c, label):
         return _PlaceTokens.apply(y.movedim(in_dims[0], 0), dim + 1, layout, c, label), 0
+
+
+def _place_direct(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm) -> torch.Tensor | None:
+    """:class:`_PlaceTokens`'s gather with every rank's runs received straight into their
+    positions (no gathered buffer, no second copy), where each run is one contiguous piece of
+    memory in the block and in the whole: pairwise gathers (:func:`pshard._comm.pairwise`), no
+    extent before ``dim``, runs of consecutive positions (contiguous, zigzag). ``None``
+    elsewhere."""
+    if math.prod(y.shape[:dim]) != 1 or not y.is_contiguous() or not pairwise(y, c.group):
+        return None
+    runs = [layout.runs(i) for i in range(c.size)]
+    if any(count > 1 and stride != 1 for r in runs for _, _, count, stride in r):
+        return None
+    pieces = [
+        [
+            (local, first, real)
+            for local, first, count, _ in r
+            if (real := layout.real(first, count, 1))
+        ]
+        for r in runs
+    ]
+    shape = list(y.shape)
+    shape[dim] = layout.length
+    out = y.new_empty(shape)
+    send = [y.narrow(dim, local, real) for local, _, real in pieces[c.rank]]
+    recv = [[out.narrow(dim, first, real) for _, first, real in p] for p in pieces]
+    gather_parts(y, send, recv, c)
+    return out
 
 
 def take_tokens(
