@@ -6,9 +6,13 @@ _seq_boundary.take_tokens`, whose transpose gathers every rank's cotangent block
 ``shard_map``'s own boundary does), and ``shard_map`` passes it in as is; under
 ``torch.compile`` the input is instead padded and put in the layout's permuted order
 (:func:`pshard.sequence._layouts.pad_permute`) and ``shard_map`` takes each rank's even block,
-the same values. Each ``Shard`` output that ``shard_map`` gathered is put back in sequence order
-with its padding removed (:func:`~pshard.sequence._layouts.unpermute_unpad`). The gradient
-convention is therefore exactly ``shard_map``'s.
+the same values. Each ``Shard`` output leaves ``shard_map`` as this rank's tokens and is gathered
+here, every rank's tokens put at their positions and the padding dropped
+(:func:`~pshard.sequence._seq_boundary.place_tokens`; pairwise gathers on gloo receive each
+rank's runs straight into place where they are contiguous memory); under ``torch.compile``,
+``shard_map`` gathers the permuted blocks and
+:func:`~pshard.sequence._layouts.unpermute_unpad` puts them back. The gradient convention is
+therefore exactly ``shard_map``'s.
 
 While ``fn`` runs, the sequence context (:mod:`pshard.sequence._context`) holds the layout, so
 :func:`pshard.seq_positions` and the attention functions know the true position of every token.
