@@ -4,6 +4,7 @@ contexts, and the errors it raises (with their messages pinned)."""
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from test_seq_model import (
 )
 
 import pshard as ps
+from pshard import _comm
 from pshard._tree import tree_leaves
 from pshard.sequence._context import find_context
 from pshard.sequence._layouts import SeqLayout
@@ -279,3 +281,28 @@ def test_compiled_maps_refuse_a_tuple_out_of_mesh_order() -> None:
         match=re.escape("('c', 'a') must be given in the mesh's order ('a', 'c')"),
     ):
         _check_mesh_order(("c", "a"), mesh)
+
+
+def _strides_worker(layout: str) -> dict:
+    ps.init_mesh({"sp": 2})
+    x = torch.arange(26.0, dtype=torch.float64).view(1, 13, 2).requires_grad_(True)
+    ct = torch.linspace(-1, 1, 26, dtype=torch.float64).view(1, 13, 2)
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        if ps.axis_index("sp") == 0:  # the same values, in other strides, on one rank only
+            return (t * 3).transpose(1, 2).contiguous().transpose(1, 2)
+        return t * 3
+
+    # every gather pairwise, as large ones are: the runs go straight into place
+    with mock.patch.object(_comm, "PAIRWISE_GATHER_BYTES", 0):
+        y = ps.shard_map_seq(body, layout=layout, in_specs=ps.Shard(1), out_specs=ps.Shard(1))(x)
+        (grad,) = torch.autograd.grad((y * ct).sum(), x)
+    return {"out": torch.equal(y, 3 * x), "grad": torch.equal(grad, 3 * ct)}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+def test_outputs_of_rank_dependent_strides(pool, layout) -> None:
+    """An output (or its cotangent) contiguous on one rank and strided on another is gathered
+    and placed like any other: every rank takes the same path, decided from what they share
+    (a path chosen by strides left the ranks in different exchanges)."""
+    assert pool.run(2, _strides_worker, layout, timeout=30.0) == [{"out": True, "grad": True}] * 2

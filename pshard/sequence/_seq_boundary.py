@@ -110,8 +110,9 @@ def _place_direct(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm) -> torc
     positions (no gathered buffer, no second copy), where each run is one contiguous piece of
     memory in the block and in the whole: pairwise gathers (:func:`pshard._comm.pairwise`), no
     extent before ``dim``, runs of consecutive positions (contiguous, zigzag). ``None``
-    elsewhere."""
-    if math.prod(y.shape[:dim]) != 1 or not y.is_contiguous() or not pairwise(y, c.group):
+    elsewhere. Decided from what every rank shares (shapes, dtype, layout), never from strides:
+    the ranks must all take one path."""
+    if math.prod(y.shape[:dim]) != 1 or not pairwise(y, c.group):
         return None
     runs = [layout.runs(i) for i in range(c.size)]
     if any(count > 1 and stride != 1 for r in runs for _, _, count, stride in r):
@@ -127,6 +128,7 @@ def _place_direct(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm) -> torc
     shape = list(y.shape)
     shape[dim] = layout.length
     out = y.new_empty(shape)
+    y = y.contiguous()
     send = [y.narrow(dim, local, real) for local, _, real in pieces[c.rank]]
     recv = [[out.narrow(dim, first, real) for _, first, real in p] for p in pieces]
     gather_parts(y, send, recv, c)
