@@ -112,6 +112,26 @@ def test_against_full_attention(pool, n: int) -> None:
     _check(n, data, pool.run(n, _worker, n, data), TOL)
 
 
+def _cut_worker(n: int, data: list) -> list:
+    ring_module._LEAF = 1  # every triangle of 2 rows or more is cut in halves, down to 1 row
+    try:
+        return _worker(n, data)
+    finally:
+        ring_module._LEAF = _LEAF
+
+
+_LEAF = ring_module._LEAF
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_against_full_attention_cut_in_halves(pool, n: int) -> None:
+    """The same cases with every causal block cut in halves down to single rows (long blocks'
+    path, here on short ones): forward and both gradients still equal full attention, under
+    every layout, padding, grouped heads and another head size for v."""
+    data = _data(n)
+    _check(n, data, pool.run(n, _cut_worker, n, data), TOL)
+
+
 def test_float32_relative_error(pool) -> None:
     """float32 inputs against the float64 reference: relative error <= 1e-5."""
     n = 4
