@@ -368,13 +368,14 @@ def _fused(x: torch.Tensor) -> bool:
 
 
 def _as4d(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``(batch..., hkv, rows, d)`` -> a contiguous ``(B, hkv, rows, width)``, zero-padded on
-    the last dim (a zero column changes no dot product: the fused kernel wants one head size
-    for q, k, v)."""
+    """``(batch..., hkv, rows, d)`` -> ``(B, hkv, rows, width)``, zero-padded on the last dim (a
+    zero column changes no dot product: the fused kernel wants one head size for q, k, v). The
+    kernels read any strides but a unit one along the head size, so a slice of rows or a
+    transposed view goes in as is (bit for bit the result of a contiguous copy)."""
     x = x.reshape(-1, *x.shape[-3:])
     if x.shape[-1] < width:
         return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-    return x.contiguous()  # the kernel reads rows with a unit stride
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _additive(mask: Any, groups: int, dtype: torch.dtype, device: torch.device) -> Any:
