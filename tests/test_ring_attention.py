@@ -112,15 +112,15 @@ def test_against_full_attention(pool, n: int) -> None:
     _check(n, data, pool.run(n, _worker, n, data), TOL)
 
 
+_LEAF = ring_module._LEAF
+
+
 def _cut_worker(n: int, data: list) -> list:
     ring_module._LEAF = 1  # every triangle of 2 rows or more is cut in halves, down to 1 row
     try:
         return _worker(n, data)
     finally:
         ring_module._LEAF = _LEAF
-
-
-_LEAF = ring_module._LEAF
 
 
 @pytest.mark.parametrize("n", [2, 4])
