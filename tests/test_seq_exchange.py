@@ -156,16 +156,23 @@ def test_against_single_process(pool, n: int, mesh_shape: dict, axis) -> None:
 # ---------------------------------------------- shard_map_seq's entry: this rank's tokens
 
 
-def _take_worker(n: int, mesh_shape: dict, axis, cases: list, direct: bool) -> list:
+def _take_worker(n: int, mesh_shape: dict, axis, cases: list, direct: str) -> list:
     ps.init_mesh(mesh_shape)
     c = _comm.comm(axis, "test")
     r = c.rank
     out = []
-    # direct: every gather pairwise, so that the gradients' gathers go straight into place
-    # wherever the runs are contiguous memory (counted)
-    threshold = 0 if direct else _comm.PAIRWISE_GATHER_BYTES
+    # direct: every gather pairwise (as large ones are), so that the gradients' gathers go
+    # straight into place wherever the runs are contiguous memory: without a batch before the
+    # sequence dim ("unbatched"; these pieces are far below DIRECT_PIECE_BYTES), or with one
+    # too ("batched": any piece size); counted
+    pairwise = _comm.PAIRWISE_GATHER_BYTES if direct == "no" else 0
+    piece = 0 if direct == "batched" else _seq_boundary.DIRECT_PIECE_BYTES
     parts = mock.patch.object(_seq_boundary, "gather_parts", wraps=_seq_boundary.gather_parts)
-    with mock.patch.object(_comm, "PAIRWISE_GATHER_BYTES", threshold), parts as placed:
+    with (
+        mock.patch.object(_comm, "PAIRWISE_GATHER_BYTES", pairwise),
+        mock.patch.object(_seq_boundary, "DIRECT_PIECE_BYTES", piece),
+        parts as placed,
+    ):
         for case in cases:
             out.append(_take_case(c, n, *case))
     return [r, out, placed.call_count]
@@ -188,16 +195,17 @@ def _take_case(c, n: int, kind, s, dim, x, ct, tan) -> tuple:
     [(2, {"sp": 2}, "sp"), (4, {"a": 2, "b": 2}, ("b", "a"))],
     ids=["2", "2x2-reordered"],
 )
-@pytest.mark.parametrize("direct", [False, True], ids=["gathered", "direct"])
+@pytest.mark.parametrize("direct", ["no", "unbatched", "batched"])
 def test_take_tokens_against_permuted_whole(
-    pool, n: int, mesh_shape: dict, axis, direct: bool
+    pool, n: int, mesh_shape: dict, axis, direct: str
 ) -> None:
     """shard_map_seq takes each rank's tokens straight from the whole value: the same block as
     padding, permuting and chunking the whole (padding slots = the pad value); the gradient of
     the whole input, the same on every rank, holds every rank's cotangent at its tokens' positions
-    (padding dropped), gathered into a buffer and placed, or (direct) each rank's runs received
-    straight into their positions where they are contiguous memory (nothing before the sequence
-    dim, runs of consecutive positions; padded runs, empty runs); jvp with zero padding; vmap."""
+    (padding dropped), gathered into a buffer and placed, or (direct) each rank's runs of
+    consecutive positions (not stripe's) received straight into their positions, row by row
+    with a batch before the sequence dim (padded runs, empty runs); jvp with zero padding;
+    vmap."""
     g = torch.Generator().manual_seed(n)
     cases = []
     shapes = [(11, 1, (2, 11, 3)), (16, 0, (16, 2)), (5, 2, (2, 3, 5))]
@@ -214,9 +222,14 @@ def test_take_tokens_against_permuted_whole(
             )
     res = pool.run(n, _take_worker, n, mesh_shape, axis, cases, direct)
     got = {r: out for r, out, _ in res}  # by index on the axis
-    # one gather per case (the gradient's); straight into place unless stripe or a batch before
-    straight = [kind != "stripe" and math.prod(x.shape[:dim]) == 1 for kind, _, dim, x, *_ in cases]
-    assert {placed for *_, placed in res} == {sum(straight) if direct else 0}
+    # one gather per case (the gradient's); straight into place unless stripe, or a batch
+    # before the sequence dim when unbatched
+    straight = [
+        direct == "batched" or direct == "unbatched" and math.prod(x.shape[:dim]) == 1
+        for _, _, dim, x, *_ in cases
+    ]
+    want = sum(go and kind != "stripe" for go, (kind, *_) in zip(straight, cases, strict=True))
+    assert {placed for *_, placed in res} == {want}
     for i, (kind, s, dim, x, ct, tan) in enumerate(cases):
         lay = SeqLayout(kind, s, n)
         want_grad = unpermute_unpad(torch.cat(list(ct), dim), dim, lay)
