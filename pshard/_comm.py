@@ -15,7 +15,7 @@ reliably faster (``benchmarks/collectives.py``).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -153,12 +153,7 @@ def gather_into(buf: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup |
     if size > 1 and pairwise(inp, group):
         me = dist.get_rank(group)
         buf[me].copy_(inp)
-        ops = []
-        for step in range(1, size):  # shifted partners: every rank sends and receives each step
-            to, frm = (me + step) % size, (me - step) % size
-            ops.append(dist.P2POp(dist.isend, inp, _global(group, to), group))
-            ops.append(dist.P2POp(dist.irecv, buf[frm], _global(group, frm), group))
-        wait(dist.batch_isend_irecv(ops))
+        _shifted(me, size, lambda g: _global(group, g), [inp], [[b] for b in buf], group)
         return
     _all_gather_flat(buf.view(-1), inp.view(-1), group=group)  # flat: any backend, no copy
 
@@ -179,19 +174,31 @@ def gather_parts(
     """Every index's parts of its block straight into their places: ``send`` are parts of this
     rank's block ``x``, ``recv[i]`` the tensors (views of an output, say) that take index
     ``i``'s parts, one per part, in order; ``recv[c.rank]`` are copied from ``send`` here. All
-    contiguous; one batch of sends and receives, part ``j`` with tag ``j``. The all-gather of
-    :func:`gather_into` without its buffer, for blocks whose parts land apart."""
+    contiguous. The pairwise all-gather of :func:`gather_into` without its buffer, for blocks
+    whose parts land apart."""
     if c.debug:
         check_collective("all_gather", c.group, c.name, x)
     for dst, src in zip(recv[c.rank], send, strict=True):
         dst.copy_(src)
+    _shifted(c.rank, c.size, lambda i: _peer(c, i), send, recv, c.group)
+
+
+def _shifted(
+    me: int,
+    size: int,
+    peer: Callable[[int], int],
+    send: Sequence[torch.Tensor],
+    recv: Sequence[Sequence[torch.Tensor]],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """One batch of sends and receives with shifted partners (at step ``s`` every rank sends
+    to ``me + s`` and receives from ``me - s``): ``send`` to every other index, ``recv[i]`` from
+    index ``i``, part ``j`` with tag ``j``; ``peer`` maps an index to a global rank."""
     ops = []
-    for step in range(1, c.size):  # shifted partners, as in gather_into
-        to, frm = (c.rank + step) % c.size, (c.rank - step) % c.size
-        ops += [dist.P2POp(dist.isend, t, _peer(c, to), c.group, j) for j, t in enumerate(send)]
-        ops += [
-            dist.P2POp(dist.irecv, t, _peer(c, frm), c.group, j) for j, t in enumerate(recv[frm])
-        ]
+    for step in range(1, size):
+        to, frm = (me + step) % size, (me - step) % size
+        ops += [dist.P2POp(dist.isend, t, peer(to), group, j) for j, t in enumerate(send)]
+        ops += [dist.P2POp(dist.irecv, t, peer(frm), group, j) for j, t in enumerate(recv[frm])]
     if ops:
         wait(dist.batch_isend_irecv(ops))
 
