@@ -41,6 +41,10 @@ counted (all-to-alls and ring transfers), against the hybrid's formula
 ``(U - 1) / U * b * (s / N) * (2 h + 2 h_kv) * d`` (Ulysses part) ``+ 2 (R - 1) / R * b * s *
 h_kv * d / U`` (ring part), and forward + backward time.
 
+Then ``shard_map_seq``'s boundary alone (whole inputs in, the whole output out, of an
+elementwise function, forward + backward) against the same written with raw
+``torch.distributed`` calls, and against pshard with every gather buffered and then placed.
+
 Last, efficiency on equal cores: one causal layer (8 heads), forward + backward through
 ``shard_map_seq``, 2 ranks with one thread each against one process with two threads running
 fused SDPA, for S = 2048 and 4096, Ulysses and ring under each layout (medians of rounds that
@@ -48,7 +52,7 @@ alternate between the two), and the activation memory autograd saves per rank ag
 single process.
 
     python benchmarks/sequence_parallel.py [--seq 2048] [--batch 1] [--head-size 64]
-        [--packed-only | --usp-only | --efficiency-only [--rounds 3]]
+        [--packed-only | --usp-only | --boundary-only | --efficiency-only] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -364,6 +368,111 @@ def _efficiency_table(args: argparse.Namespace) -> None:
             )
 
 
+def _raw_boundary(layout: str, q, k, v, ct) -> tuple[torch.Tensor, torch.Tensor]:
+    """The boundary of ``q + k + v`` written by hand with raw ``torch.distributed``: this rank's
+    tokens of each whole input (pad, permute, slice), the output all-gathered and put back in
+    sequence order by an index, and the backward the same way (the cotangent's tokens in; the
+    three input gradients, here equal, gathered and put back one by one)."""
+    from pshard.sequence._layouts import SeqLayout
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    s = q.shape[1]
+    lay = SeqLayout(layout, s, n)
+    perm = lay.position_tensor()  # slot -> position (padding: >= s)
+    keep = lay.inverse()[:s]  # position -> slot
+
+    def mine(x):
+        padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, lay.padded_length - s))
+        return padded.index_select(1, perm).chunk(n, 1)[r]
+
+    gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def gather(y):
+        buf = y.new_empty((n, *y.shape))
+        gather_flat(buf.view(-1), y.contiguous().view(-1))
+        return buf.movedim(0, 1).flatten(1, 2).index_select(1, torch.tensor(keep))
+
+    local = [mine(x) for x in (q, k, v)]
+    out = gather(local[0] + local[1] + local[2])
+    g = mine(ct)
+    grads = [gather(g) for _ in range(3)]
+    return out, grads[0]
+
+
+def _boundary_ranks(b: int, s: int, layout: str, repeats: int) -> dict:
+    ps.init_mesh({"sp": 2})
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, s, 8, 64, generator=g, requires_grad=True) for _ in range(3))
+    ct = torch.randn(b, s, 8, 64, generator=g)
+    layer = ps.shard_map_seq(
+        lambda q, k, v: q + k + v, in_specs=ps.Shard(1), out_specs=ps.Shard(1), layout=layout
+    )
+    from pshard.sequence import _seq_boundary
+
+    placed = _seq_boundary._place_direct
+
+    def buffered() -> None:  # the same with every gather into a buffer, then placed
+        _seq_boundary._place_direct = lambda *a: None
+        try:
+            layer(q, k, v).backward(ct)
+        finally:
+            _seq_boundary._place_direct = placed
+
+    steps = {
+        "pshard": lambda: layer(q, k, v).backward(ct),
+        "buffered": buffered,
+        "raw": lambda: _raw_boundary(layout, q.detach(), k.detach(), v.detach(), ct),
+    }
+    out, grad = _raw_boundary(layout, q.detach(), k.detach(), v.detach(), ct)
+    assert torch.equal(out, layer(q, k, v)), "the hand-written boundary differs"
+    assert torch.equal(grad, torch.autograd.grad(layer(q, k, v), q, ct)[0])
+    times: dict = {name: [] for name in steps}
+    for step in steps.values():
+        step()
+    for i in range(repeats):
+        names = list(steps)
+        for name in names[i % 3 :] + names[: i % 3]:  # each first in turn
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    worst = torch.tensor([times[n] for n in steps], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return dict(zip(steps, worst.tolist(), strict=True))
+
+
+def _boundary_table(args: argparse.Namespace) -> None:
+    from pshard.sequence._layouts import SeqLayout
+
+    print()
+    print(
+        "shard_map_seq's boundary alone: whole q, k, v (b, s, 8, 64, float32) in, the whole "
+        "q + k + v out, fwd + bwd (4 gathers), 2 ranks x 1 thread, against the same written with "
+        "raw torch.distributed (pad, permute, slice; gloo's all-gather + index) and against "
+        "pshard with every gather buffered, then placed; medians of step-by-step ratios"
+    )
+    print(
+        f"{'b':>3} {'s':>5} {'layout':>10} | {'run piece':>9} | {'pshard':>9} {'raw':>9} "
+        f"{'ratio':>6} | {'buffered':>9} {'ratio':>6}"
+    )
+    for b, s in ((1, 2048), (2, 4096), (4, 1024), (16, 512)):
+        for layout in ("contiguous", "zigzag", "stripe"):
+            t = ps.spawn(_boundary_ranks, b, s, layout, 2 * args.rounds + 5, nprocs=2)[0]
+            runs = len(SeqLayout(layout, s, 2).runs(0))
+            piece = "strided" if layout == "stripe" else f"{s // 2 // runs * 2048 >> 10} KiB"
+            med = {name: statistics.median(ts) * 1e3 for name, ts in t.items()}
+            ratio = {
+                name: statistics.median(a / b for a, b in zip(t["pshard"], t[name], strict=True))
+                for name in ("raw", "buffered")
+            }
+            print(
+                f"{b:>3} {s:>5} {layout:>10} | {piece:>9} | {med['pshard']:6.1f} ms "
+                f"{med['raw']:6.1f} ms {ratio['raw']:6.2f} | {med['buffered']:6.1f} ms "
+                f"{ratio['buffered']:6.2f}"
+            )
+
+
 def _documents(s: int, docs: int) -> torch.Tensor:
     """``(1, s)`` segment ids: ``docs`` documents of uneven lengths (a fixed draw)."""
     g = torch.Generator().manual_seed(1)
@@ -456,8 +565,14 @@ def main() -> None:
     parser.add_argument(
         "--efficiency-only", action="store_true", help="only the equal-cores efficiency table"
     )
+    parser.add_argument(
+        "--boundary-only", action="store_true", help="only the shard_map_seq boundary table"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the efficiency table")
     args = parser.parse_args()
+    if args.boundary_only:
+        _boundary_table(args)
+        return
     if args.efficiency_only:
         _efficiency_table(args)
         return
@@ -488,6 +603,7 @@ def main() -> None:
     _ring_table(args)
     _packed_table(args)
     _usp_table(args)
+    _boundary_table(args)
     _efficiency_table(args)
 
 

@@ -107,9 +107,10 @@ class _PlaceTokens(torch.autograd.Function):
 
 #: Bytes from which a piece of a placed gather (one row's run, with a batch before the sequence
 #: dim) goes as a message of its own. Each message costs about 80 us on gloo over loopback; a
-#: boundary of three inputs and one output (fwd + bwd, 2 ranks) took 0.56-0.63x the buffered
-#: gathers' time with 1-2 MiB pieces, 0.68-0.78x with 512 KiB, 0.99-1.01x with 256 KiB.
-DIRECT_PIECE_BYTES = 1 << 18
+#: boundary of three inputs and one output (fwd + bwd, 2 ranks) took 0.84-0.92x the buffered
+#: gathers' time with pieces of 512 KiB to 4 MiB, 0.95x with 16 rows of 512 KiB, and 1.06x
+#: with 16 rows of 256 KiB (``benchmarks/sequence_parallel.py --boundary-only``).
+DIRECT_PIECE_BYTES = 1 << 19
 
 
 def _place_direct(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm) -> torch.Tensor | None:
