@@ -250,6 +250,7 @@ class SeqBoundary:
 
     def gather(self, y: torch.Tensor, dim: int, where: str) -> torch.Tensor:
         """The whole sequence from every rank's tokens ``y`` along ``dim``, in sequence order."""
+        dim %= y.dim()
         return place_tokens(y, dim, self.layout, self.comm, f"{self.fn} {where} (Shard({dim}))")
 
     def reduce(self, y: torch.Tensor, where: str) -> torch.Tensor:
