@@ -26,6 +26,7 @@ from test_seq_model import (
 
 import pshard as ps
 from pshard._tree import tree_map
+from pshard.sequence import _kernels as kernels
 from pshard.sequence import _ring as ring_module
 from pshard.sequence._context import SeqContext, sequence_context
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
@@ -381,8 +382,9 @@ def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int, groups: in
     acc = torch.float64
     mask = torch.ones(rows, rows, dtype=torch.bool).tril(-tri)
     assert rows > ring_module._LEAF  # cut at least once
-    out, lse = ring_module._block_forward(qa, kb, vb, mask, spec, acc, tri)
-    want_out, want_lse = ring_module._block_forward(qa, kb, vb, mask, spec, acc, None)
+    kern = kernels.CPU
+    out, lse = ring_module._block_forward(qa, kb, vb, mask, spec, acc, kern, tri)
+    want_out, want_lse = ring_module._block_forward(qa, kb, vb, mask, spec, acc, kern, None)
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
     q, k, v = (t.clone().requires_grad_() for t in (qa, kb, vb))
@@ -392,7 +394,9 @@ def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int, groups: in
     want = torch.autograd.grad(p @ v, (q, k, v), do)
     finite = torch.where(lse.isneginf(), torch.zeros_like(lse), lse)
     delta = (do * out).sum(-1)
-    got = ring_module._block_backward(qa, kb, vb, do, out, finite, delta, mask, spec, acc, tri)
+    got = ring_module._block_backward(
+        qa, kb, vb, do, out, finite, delta, mask, spec, acc, kern, tri
+    )
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 

@@ -3,7 +3,9 @@
 Every rank keeps its queries and passes its key/value block to the next rank ``N - 1`` times, so
 after ``N`` steps each query has seen every key. Each step's partial softmax is merged into a
 running output with a running log-sum-exp (fp32, or the input dtype when wider), which makes
-the result exact attention over the whole sequence.
+the result exact attention over the whole sequence. Blocks run on a fused kernel when the
+device has one (:mod:`._kernels`: the CPU flash kernel; CUDA efficient attention for unmasked
+and causal blocks), else on explicit matmuls.
 
 Causal masking and padding come from the true global positions of the tokens (the sequence
 context of ``shard_map_seq``; outside it, a contiguous layout without padding). Each rank's
@@ -38,6 +40,7 @@ from .. import _comm as raw
 from .._collectives import _call
 from .._mesh import Axis
 from ._context import context_scope
+from ._kernels import BlockKernel, block_kernel
 from ._layouts import SeqLayout, pad_permute
 from ._masks import (
     Window,
@@ -273,14 +276,21 @@ def _block_mask(
 
 
 def _block_kind(
-    spec: _Spec, rank: int, src: int, st: _Step, b: tuple[int, ...], segs: Any, x: torch.Tensor
+    spec: _Spec,
+    rank: int,
+    src: int,
+    st: _Step,
+    b: tuple[int, ...],
+    segs: Any,
+    kern: BlockKernel | None,
+    device: torch.device,
 ) -> tuple[Any, int | None]:
-    """One matmul's mask (:func:`_block_mask`) and triangle (:func:`_triangle`, on the fused
-    kernels only); a triangle needs no mask, none is built."""
-    tri = _triangle(spec, rank, src, st, b, segs) if _fused(x) else None
+    """One matmul's mask (:func:`_block_mask`) and triangle (:func:`_triangle`, with a fused
+    kernel only); a triangle needs no mask, none is built."""
+    tri = _triangle(spec, rank, src, st, b, segs) if kern is not None else None
     if tri is not None:
         return None, tri
-    return _block_mask(spec, rank, src, st, b, segs, x.device), None
+    return _block_mask(spec, rank, src, st, b, segs, device), None
 
 
 def _triangle(
@@ -356,26 +366,23 @@ def _schedule(spec: _Spec, n: int, r: int) -> tuple[Any, tuple[int, ...]]:
     return steps, _bounds(lay.local_length, _chunks(lay, spec.causal, spec.window))
 
 
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_BACKWARD = getattr(
-    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
-)
+def _explicit(kern: BlockKernel | None, mask: Any, tri: int | None) -> bool:
+    """Whether a block runs on explicit matmuls: no fused kernel, or a mask it does not take."""
+    return kern is None or (tri is None and mask is not None and not kern.masks)
 
 
-def _fused(x: torch.Tensor) -> bool:
-    """Whether a block on ``x``'s device runs on the fused CPU kernel (else explicit matmuls)."""
-    return _FLASH is not None and x.device.type == "cpu"
-
-
-def _as4d(x: torch.Tensor, width: int) -> torch.Tensor:
+def _as4d(x: torch.Tensor, width: int, align: int = 1) -> torch.Tensor:
     """``(batch..., hkv, rows, d)`` -> ``(B, hkv, rows, width)``, zero-padded on the last dim (a
-    zero column changes no dot product: the fused kernel wants one head size for q, k, v). The
-    kernels read any strides but a unit one along the head size, so a slice of rows or a
-    transposed view goes in as is (bit for bit the result of a contiguous copy)."""
+    zero column changes no dot product: the fused kernels want one head size for q, k, v). The
+    kernels read any strides but a unit one along the head size (multiples of ``align``, with
+    the offset), so a slice of rows or a transposed view goes in as is (bit for bit the result
+    of a contiguous copy on the CPU)."""
     x = x.reshape(-1, *x.shape[-3:])
     if x.shape[-1] < width:
         return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-    return x if x.stride(-1) == 1 else x.contiguous()
+    if x.stride(-1) != 1 or any(s % align for s in (x.storage_offset(), *x.stride()[:-1])):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 def _additive(mask: Any, groups: int, dtype: torch.dtype, device: torch.device) -> Any:
@@ -392,12 +399,12 @@ def _additive(mask: Any, groups: int, dtype: torch.dtype, device: torch.device) 
 
 
 def _block_forward(
-    qa, kb, vb, mask, spec: _Spec, acc, tri: int | None = None
+    qa, kb, vb, mask, spec: _Spec, acc, kern: BlockKernel | None, tri: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's output ``(..., hkv, rows, dv)`` and log-sum-exp ``(..., hkv, rows)`` in
     ``acc``; ``qa`` holds the query heads of each key/value head folded into its rows; ``tri``
-    as :func:`_triangle` says."""
-    if not _fused(qa):
+    as :func:`_triangle` says; ``kern`` the fused kernel, if any."""
+    if _explicit(kern, mask, tri):
         s = _scores(qa, kb, mask, spec, acc)
         lse_b = torch.logsumexp(s, -1)
         p = torch.exp(s - _finite(lse_b).unsqueeze(-1))
@@ -406,14 +413,14 @@ def _block_forward(
         g = spec.groups
         q4, k4, v4 = _by_head(qa, g), _spread(kb, g), _spread(vb, g)
         if tri == 0:
-            out, lse = _causal(q4, k4, v4, spec, acc)
+            out, lse = _causal(q4, k4, v4, spec, acc, kern)
         else:  # row 0 sees no key; rows 1: against keys :-1 are the lower triangle
-            out, lse = _causal(q4[..., 1:, :], k4[..., :-1, :], v4[..., :-1, :], spec, acc)
+            out, lse = _causal(q4[..., 1:, :], k4[..., :-1, :], v4[..., :-1, :], spec, acc, kern)
             out = torch.cat([out.new_zeros((*out.shape[:-2], 1, out.shape[-1])), out], -2)
             lse = torch.cat([lse.new_full((*lse.shape[:-1], 1), -math.inf), lse], -1)
         return _by_row(out, g), _by_row(lse.unsqueeze(-1), g).squeeze(-1)
     add, seen = _additive(mask, spec.groups, acc, qa.device)
-    out, lse = _flash(qa, kb, vb, add, False, spec, acc)
+    out, lse = _flash(qa, kb, vb, add, False, spec, acc, kern)
     if seen is not None:  # the kernel reports 0 for a row that sees nothing: make it -inf
         lse = lse.masked_fill(~seen, -math.inf)
     return out, lse
@@ -443,38 +450,47 @@ def _spread(x: torch.Tensor, g: int) -> torch.Tensor:
 _LEAF = 128
 
 
-def _causal(qa, kb, vb, spec: _Spec, acc) -> tuple[torch.Tensor, torch.Tensor]:
-    """A lower-triangle block (row ``a`` sees keys ``<= a``) on the fused kernel: the top half
-    as a triangle; the bottom half as the full block against the first half of the keys merged
-    with a triangle against the second half."""
+def _causal(qa, kb, vb, spec: _Spec, acc, kern: BlockKernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lower-triangle block (row ``a`` sees keys ``<= a``) on the fused kernel; on the CPU
+    one, cut: the top half as a triangle, the bottom half as the full block against the first
+    half of the keys merged with a triangle against the second half."""
     n = qa.shape[-2]
-    if n <= _LEAF:
-        return _flash(qa, kb, vb, None, True, spec, acc)
+    if not kern.cut or n <= _LEAF:
+        return _flash(qa, kb, vb, None, True, spec, acc, kern)
     lo, hi = slice(None, n // 2), slice(n // 2, None)
-    top, top_lse = _causal(qa[..., lo, :], kb[..., lo, :], vb[..., lo, :], spec, acc)
-    o1, l1 = _flash(qa[..., hi, :], kb[..., lo, :], vb[..., lo, :], None, False, spec, acc)
-    o2, l2 = _causal(qa[..., hi, :], kb[..., hi, :], vb[..., hi, :], spec, acc)
+    top, top_lse = _causal(qa[..., lo, :], kb[..., lo, :], vb[..., lo, :], spec, acc, kern)
+    o1, l1 = _flash(qa[..., hi, :], kb[..., lo, :], vb[..., lo, :], None, False, spec, acc, kern)
+    o2, l2 = _causal(qa[..., hi, :], kb[..., hi, :], vb[..., hi, :], spec, acc, kern)
     lse = torch.logaddexp(l1, l2)  # every row sees a key: finite
     out = o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
     return torch.cat([top, out], -2), torch.cat([top_lse, lse], -1)
 
 
-def _flash(qa, kb, vb, add, causal: bool, spec: _Spec, acc) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(qa.shape[-1], vb.shape[-1])
-    out, lse = _FLASH(
-        _as4d(qa.to(acc), width), _as4d(kb.to(acc), width), _as4d(vb.to(acc), width),
-        0.0, causal, attn_mask=add, scale=spec.scale,
+def _width(kern: BlockKernel, *xs: torch.Tensor) -> int:
+    """The head size the kernel is given: the widest of ``xs``', up to its alignment."""
+    w = max(x.shape[-1] for x in xs)
+    return -(-w // kern.align) * kern.align
+
+
+def _flash(
+    qa, kb, vb, add, causal: bool, spec: _Spec, acc, kern: BlockKernel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width, al = _width(kern, qa, vb), kern.align
+    out, lse = kern.forward(
+        _as4d(qa.to(acc), width, al), _as4d(kb.to(acc), width, al), _as4d(vb.to(acc), width, al),
+        add, causal, spec.scale,
     )  # fmt: skip
     lead = qa.shape[:-1]
     return out[..., : vb.shape[-1]].reshape(*lead, -1), lse.reshape(lead)
 
 
 def _block_backward(
-    qa, kr, vr, do, out_rows, lse_rows, delta, mask, spec: _Spec, acc, tri: int | None = None
+    qa, kr, vr, do, out_rows, lse_rows, delta, mask, spec: _Spec, acc, kern, tri=None
 ):
     """One block's ``(dq, dk, dv)`` in ``acc``, from the whole softmax's output rows and
-    log-sum-exp (finite: 0 where a row sees nothing); ``tri`` as :func:`_triangle` says."""
-    if not _fused(qa):
+    log-sum-exp (finite: 0 where a row sees nothing); ``tri``, ``kern`` as in
+    :func:`_block_forward`."""
+    if _explicit(kern, mask, tri):
         p = torch.exp(_scores(qa, kr, mask, spec, acc) - lse_rows.unsqueeze(-1))
         dp = torch.matmul(do, vr.transpose(-1, -2))
         ds = p * (dp - delta.unsqueeze(-1)) * spec.scale
@@ -489,12 +505,12 @@ def _block_backward(
         l4 = _by_head(lse_rows.unsqueeze(-1), g).squeeze(-1)
         k4, v4 = _spread(kr, g), _spread(vr, g)
         if tri == 0:
-            dq, dk, dv = _causal_backward(q4, k4, v4, do4, o4, l4, spec)
+            dq, dk, dv = _causal_backward(q4, k4, v4, do4, o4, l4, spec, kern)
         else:  # row 0 and key -1 take no part
             rows, keys = slice(1, None), slice(None, -1)
             dq, dk, dv = _causal_backward(
                 q4[..., rows, :], k4[..., keys, :], v4[..., keys, :], do4[..., rows, :],
-                o4[..., rows, :], l4[..., rows], spec,
+                o4[..., rows, :], l4[..., rows], spec, kern,
             )  # fmt: skip
             dq = torch.cat([dq.new_zeros((*dq.shape[:-2], 1, dq.shape[-1])), dq], -2)
             dk = torch.cat([dk, dk.new_zeros((*dk.shape[:-2], 1, dk.shape[-1]))], -2)
@@ -503,24 +519,26 @@ def _block_backward(
             dk, dv = dk.unflatten(-3, (-1, g)).sum(-3), dv.unflatten(-3, (-1, g)).sum(-3)
         return _by_row(dq, g), dk, dv
     add, _ = _additive(mask, spec.groups, acc, qa.device)
-    return _flash_backward(qa, kr, vr, do, out_rows, lse_rows, add, False, spec)
+    return _flash_backward(qa, kr, vr, do, out_rows, lse_rows, add, False, spec, kern)
 
 
-def _causal_backward(qa, kr, vr, do, out_rows, lse_rows, spec: _Spec):
+def _causal_backward(qa, kr, vr, do, out_rows, lse_rows, spec: _Spec, kern: BlockKernel):
     """The backward of :func:`_causal`, cut the same way (each piece from the whole softmax's
     output rows and log-sum-exp)."""
     n = qa.shape[-2]
-    if n <= _LEAF:
-        return _flash_backward(qa, kr, vr, do, out_rows, lse_rows, None, True, spec)
+    if not kern.cut or n <= _LEAF:
+        return _flash_backward(qa, kr, vr, do, out_rows, lse_rows, None, True, spec, kern)
     lo, hi = slice(None, n // 2), slice(n // 2, None)
 
     def rows(s: slice) -> tuple:
         return qa[..., s, :], do[..., s, :], out_rows[..., s, :], lse_rows[..., s]
 
     (q1, do1, o1, l1), (q2, do2, o2, l2) = rows(lo), rows(hi)
-    top = _causal_backward(q1, kr[..., lo, :], vr[..., lo, :], do1, o1, l1, spec)
-    cross = _flash_backward(q2, kr[..., lo, :], vr[..., lo, :], do2, o2, l2, None, False, spec)
-    bottom = _causal_backward(q2, kr[..., hi, :], vr[..., hi, :], do2, o2, l2, spec)
+    top = _causal_backward(q1, kr[..., lo, :], vr[..., lo, :], do1, o1, l1, spec, kern)
+    cross = _flash_backward(
+        q2, kr[..., lo, :], vr[..., lo, :], do2, o2, l2, None, False, spec, kern
+    )
+    bottom = _causal_backward(q2, kr[..., hi, :], vr[..., hi, :], do2, o2, l2, spec, kern)
     return (
         torch.cat([top[0], cross[0] + bottom[0]], -2),
         torch.cat([top[1] + cross[1], bottom[1]], -2),
@@ -528,12 +546,12 @@ def _causal_backward(qa, kr, vr, do, out_rows, lse_rows, spec: _Spec):
     )
 
 
-def _flash_backward(qa, kr, vr, do, out_rows, lse_rows, add, causal: bool, spec: _Spec):
-    width = max(qa.shape[-1], vr.shape[-1])
-    dq, dk, dv = _FLASH_BACKWARD(
-        _as4d(do, width), _as4d(qa, width), _as4d(kr, width), _as4d(vr, width),
-        _as4d(out_rows, width), lse_rows.reshape(-1, *lse_rows.shape[-2:]), 0.0, causal,
-        attn_mask=add, scale=spec.scale,
+def _flash_backward(qa, kr, vr, do, out_rows, lse_rows, add, causal: bool, spec: _Spec, kern):
+    width, al = _width(kern, qa, vr), kern.align
+    dq, dk, dv = kern.backward(
+        _as4d(do, width, al), _as4d(qa, width, al), _as4d(kr, width, al), _as4d(vr, width, al),
+        _as4d(out_rows, width, al), lse_rows.reshape(-1, *lse_rows.shape[-2:]), add, causal,
+        spec.scale,
     )  # fmt: skip
     d, dv_ = qa.shape[-1], vr.shape[-1]
     return (
@@ -548,6 +566,7 @@ def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor
     or (this rank's segment ids ``(..., L)``, every rank's ``(..., N * L)``). Returns ``out``
     ``(..., hkv, g, L, dv)`` in q's dtype and ``lse`` ``(..., hkv, g, L)`` in the acc dtype."""
     acc, n, r, dk = _acc(q.dtype), c.size, c.rank, k.shape[-1]
+    kern = block_kernel(q.device, acc, max(dk, v.shape[-1]))
     steps, b = _schedule(spec, n, r)
     qs = [_fold(q, b[a], b[a + 1]) for a in range(len(b) - 1)]
     # a query chunk's first block is its running result as is; chunks that never see a key
@@ -562,12 +581,12 @@ def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor
         # The next block travels while this one is computed against.
         nxt, pending = raw.ppermute_start(kv, c, perm) if t < n - 1 else (None, [])
         for st in steps[t]:
-            mask, tri = _block_kind(spec, r, src, st, b, segs, q)
+            mask, tri = _block_kind(spec, r, src, st, b, segs, kern, q.device)
             if mask is False:
                 continue
             lo, hi = b[st.k], b[st.k + 1]
             o_b, lse_b = _block_forward(
-                qs[st.q], kb[..., lo:hi, :], vb[..., lo:hi, :], mask, spec, acc, tri
+                qs[st.q], kb[..., lo:hi, :], vb[..., lo:hi, :], mask, spec, acc, kern, tri
             )
             if outs[st.q] is None:
                 outs[st.q], lses[st.q] = o_b, lse_b
@@ -590,6 +609,7 @@ def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor
 
 def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
     acc, n, r, dk = _acc(q.dtype), c.size, c.rank, k.shape[-1]
+    kern = block_kernel(q.device, acc, max(dk, v.shape[-1]))
     steps, b = _schedule(spec, n, r)
     chunks = range(len(b) - 1)
     qs = [_fold(q, b[a], b[a + 1]).to(acc) for a in chunks]
@@ -612,14 +632,14 @@ def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
         dkv = torch.empty_like(kv)
         written: set[int] = set()  # key chunks of dkv holding a block's gradient
         for st in steps[t]:
-            mask, tri = _block_kind(spec, r, src, st, b, segs, q)
+            mask, tri = _block_kind(spec, r, src, st, b, segs, kern, q.device)
             if mask is False:
                 continue
             lo, hi = b[st.k], b[st.k + 1]
             a = st.q
             dq_b, dk_b, dv_b = _block_backward(
                 qs[a], kb[..., lo:hi, :], vb[..., lo:hi, :], dos[a], outs[a], lses[a],
-                deltas[a], mask, spec, acc, tri,
+                deltas[a], mask, spec, acc, kern, tri,
             )  # fmt: skip
             dqs[a] = dq_b if dqs[a] is None else dqs[a].add_(dq_b)
             if st.k in written:

@@ -1,0 +1,209 @@
+"""Fused attention kernels for one ring block, returning the log-sum-exp the online merge needs.
+
+A :class:`BlockKernel` computes softmax attention of ``(B, H, M, W)`` queries against
+``(B, H, N, W)`` keys and values (one width ``W`` for all three: the ring zero-pads the narrower
+head size) and returns the output with its log-sum-exp ``(B, H, M)``; its backward takes the
+*whole* softmax's output rows and log-sum-exp (merged over the ring), so each block's gradient
+is exact. :func:`block_kernel` picks one for a device and dtype, or ``None`` (explicit matmuls):
+
+- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward. Additive masks,
+  float32 and float64, any strides but the head size's.
+- CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward, float32 here (the
+  ring computes its blocks in fp32). No masks: masked blocks keep explicit matmuls, full blocks
+  and causal triangles (square, so top-left and bottom-right alignment agree) take the kernel.
+  What the adapter relies on, from the kernel's sources: the log-sum-exp comes back padded to a
+  multiple of 32 rows on CUDA builds, unpadded on ROCm ones (only the first ``M`` mean
+  anything); the backward reads ``out`` as rows
+  of heads, ``(B, M, H, W)`` dense (its row stride is not passed: it is ``H * W``), and the
+  log-sum-exp with a unit stride along rows; without dropout the seed tensors are not read;
+  the width must be a multiple of the kernel's alignment (the ring pads to 8).
+
+Conventions a kernel does not document can change between releases, and a wrong one gives a
+wrong number without an error. So the CUDA kernel is first run once per device, dtype and width
+(:func:`verified`) on a small problem of the shapes and strides the ring passes, against
+explicit matmuls in float64; if it disagrees, a warning says so and that device keeps explicit
+matmuls. While compiling or capturing a CUDA graph the check cannot run: explicit matmuls
+there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["BlockKernel", "block_kernel", "efficient_kernel", "verified"]
+
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKernel:
+    """``forward(q, k, v, mask, causal, scale) -> (out, lse)`` and ``backward(do, q, k, v, out,
+    lse, mask, causal, scale) -> (dq, dk, dv)`` on 4-d tensors (``mask``: additive ``(B | 1, 1,
+    M, N)`` or ``None``; ``causal``: row ``a`` sees keys ``<= a``, square blocks only)."""
+
+    name: str
+    forward: Forward
+    backward: Backward
+    masks: bool  # takes an additive mask (else masked blocks use explicit matmuls)
+    cut: bool  # causal blocks are cut in halves first (the kernel skips only tiles of its size)
+    align: int  # the width is padded to a multiple of this
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+
+
+def _cpu_forward(q, k, v, mask, causal: bool, scale: float):
+    return _CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _cpu_backward(do, q, k, v, out, lse, mask, causal: bool, scale: float):
+    return _CPU_BACKWARD(do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+CPU = BlockKernel("flash (cpu)", _cpu_forward, _cpu_backward, masks=True, cut=True, align=1)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+_LSE_ROWS = 32  # the efficient kernel's log-sum-exp is padded to a multiple of this many rows
+
+
+def efficient_kernel(forward_op: Any, backward_op: Any) -> BlockKernel:
+    """The block kernel on ``aten._scaled_dot_product_efficient_attention``-like ops (tests
+    pass stand-ins that read memory the way the CUDA kernel does)."""
+
+    def forward(q, k, v, mask, causal: bool, scale: float):
+        if mask is not None:
+            raise AssertionError("the efficient kernel is given no masks")
+        out, lse, _, _ = forward_op(q, k, v, None, True, 0.0, causal, scale=scale)
+        return out, lse[..., : q.shape[-2]]
+
+    def backward(do, q, k, v, out, lse, mask, causal: bool, scale: float):
+        if mask is not None:
+            raise AssertionError("the efficient kernel is given no masks")
+        b, h, m, _ = out.shape
+        rows = out.transpose(1, 2).contiguous().transpose(1, 2)  # (B, M, H, W) dense in memory
+        # padded as the forward gives it (ROCm's kernels take it unpadded)
+        padded = lse.new_zeros(b, h, m if torch.version.hip else -(-m // _LSE_ROWS) * _LSE_ROWS)
+        padded[..., :m] = lse
+        seed = torch.zeros((), dtype=torch.long, device=q.device)  # unread without dropout
+        dq, dk, dv, _ = backward_op(
+            do, q, k, v, None, rows, padded, seed, seed, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
+
+    return BlockKernel("efficient (cuda)", forward, backward, masks=False, cut=False, align=8)
+
+
+_EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+_EFFICIENT_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", None
+)
+CUDA = (
+    efficient_kernel(_EFFICIENT, _EFFICIENT_BACKWARD)
+    if _EFFICIENT is not None and _EFFICIENT_BACKWARD is not None
+    else None
+)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def block_kernel(device: torch.device, dtype: torch.dtype, width: int) -> BlockKernel | None:
+    """The fused kernel for blocks of ``dtype`` (the ring's accumulation dtype) and head size
+    ``width`` on ``device``, or ``None`` for explicit matmuls."""
+    if device.type == "cpu":
+        return CPU if _CPU is not None and _CPU_BACKWARD is not None else None
+    if device.type == "cuda" and CUDA is not None and dtype == torch.float32:
+        return CUDA if _checked(CUDA, device, dtype, width) else None
+    return None
+
+
+def _checked(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, width: int) -> bool:
+    """:func:`verified`; ``False`` while compiling or capturing a CUDA graph (the check cannot
+    run there: explicit matmuls)."""
+    if torch.compiler.is_compiling() or (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    ):
+        return False
+    return verified(kernel, device, dtype, width)
+
+
+@functools.lru_cache(maxsize=256)
+def verified(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, width: int) -> bool:
+    """Whether ``kernel`` gives the explicit matmuls' output, log-sum-exp and gradients (from a
+    merged output and log-sum-exp laid out as the ring lays them out) on a small problem on
+    ``device`` in ``dtype``: full and causal blocks, row counts that are no multiple of 32,
+    strided rows. Run once per arguments (a memo); a failure warns once."""
+    ok = _agrees(kernel, device, dtype, width)
+    if not ok:
+        warnings.warn(
+            f"pshard: the fused attention kernel {kernel.name!r} disagrees with explicit "
+            f"matmuls on {device} ({dtype}, head size {width}); ring attention computes its "
+            "blocks with explicit matmuls there (exact, slower). Please report this with your "
+            "torch version.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return ok
+
+
+def _agrees(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, width: int) -> bool:
+    width = -(-width // kernel.align) * kernel.align  # as the ring pads it
+    gen = torch.Generator(device=device).manual_seed(0)
+    scale = 1.0 / math.sqrt(width)
+    b, h, m = 2, 3, 37
+    for causal, n in ((False, 45), (True, m)):
+
+        def rows(count: int) -> torch.Tensor:  # a row slice of a larger tensor, as the ring's
+            x = torch.randn(b, h, count + 3, width, generator=gen, device=device)
+            return x.to(torch.float64)[..., 3:, :]
+
+        q, k, v, do = rows(m), rows(n), rows(n), rows(m)
+        want = _explicit(q, k, v, do, causal, scale)
+        try:
+            out, lse = kernel.forward(q.to(dtype), k.to(dtype), v.to(dtype), None, causal, scale)
+            # the ring hands back the merged output and log-sum-exp, contiguous (B, H, M, W)
+            out_c, lse_c = out.contiguous(), lse.contiguous()
+            grads = kernel.backward(
+                do.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out_c, lse_c, None,
+                causal, scale,
+            )  # fmt: skip
+        except RuntimeError:
+            return False
+        for got, ref in zip((out, lse, *grads), want, strict=True):
+            if got.shape != ref.shape:
+                return False
+            err = (got.to(torch.float64) - ref).abs().max().item()
+            if not err <= 1e-2 * max(1.0, ref.abs().max().item()):  # also catches nan
+                return False
+    return True
+
+
+def _explicit(q, k, v, do, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """Output, log-sum-exp and ``(dq, dk, dv)`` by the textbook formulas (no autograd, so it
+    runs under ``inference_mode`` and inside other functions' backward too)."""
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        seen = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~seen, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = p @ v
+    ds = p * (do @ v.transpose(-1, -2) - (do * out).sum(-1, keepdim=True))
+    return out, lse, ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ do
