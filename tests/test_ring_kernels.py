@@ -32,8 +32,17 @@ def _needs(cond: bool, what: str) -> None:
         raise RuntimeError(what)  # the CUDA kernel's TORCH_CHECKs raise RuntimeError too
 
 
+def _reads(*ts: torch.Tensor) -> None:
+    """What the kernel checks of q, k, v: a unit stride along the head size, and the head size,
+    the other strides and the offset multiples of its alignment (8 elements here)."""
+    for t in ts:
+        _needs(t.stride(-1) == 1, "expected a unit stride along the head size")
+        aligned = [t.shape[-1], t.storage_offset(), *t.stride()[:-1]]
+        _needs(all(x % 8 == 0 for x in aligned), "misaligned head size, strides or offset")
+
+
 def _math(q, k, v, causal: bool, scale: float):
-    """Scores' probabilities (float64) with the top-left causal mask."""
+    """Scaled scores (float64), masked by the top-left causal mask."""
     s = (q.to(F64) @ k.to(F64).transpose(-1, -2)) * scale
     if causal:
         seen = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
@@ -49,10 +58,7 @@ def _rows_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def fake_efficient(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale):
     _needs(bias is None and compute_log_sumexp and dropout_p == 0.0, "unsupported arguments")
-    for t in (q, k, v):
-        _needs(t.stride(-1) == 1, "expected a unit stride along the head size")
-        aligned = [t.shape[-1], t.storage_offset(), *t.stride()[:-1]]
-        _needs(all(x % 8 == 0 for x in aligned), "misaligned head size, strides or offset")
+    _reads(q, k, v)
     s = _math(q, k, v, is_causal, scale)
     lse = torch.logsumexp(s, -1)
     out = torch.softmax(s, -1) @ v.to(F64)
@@ -68,10 +74,7 @@ def fake_efficient_backward(
     *, scale,
 ):  # fmt: skip
     _needs(bias is None and dropout_p == 0.0 and list(grad_input_mask) == [1, 1, 1, 0], "args")
-    for t in (q, k, v):
-        _needs(t.stride(-1) == 1, "expected a unit stride along the head size")
-        aligned = [t.shape[-1], t.storage_offset(), *t.stride()[:-1]]
-        _needs(all(x % 8 == 0 for x in aligned), "misaligned head size, strides or offset")
+    _reads(q, k, v)
     b, h, m, w = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
     # the kernel's row stride of `out` is h * w (not passed); heads, batches by their strides
     o = torch.as_strided(

@@ -13,10 +13,10 @@ is exact. :func:`block_kernel` picks one for a device and dtype, or ``None`` (ex
   and causal triangles (square, so top-left and bottom-right alignment agree) take the kernel.
   What the adapter relies on, from the kernel's sources: the log-sum-exp comes back padded to a
   multiple of 32 rows on CUDA builds, unpadded on ROCm ones (only the first ``M`` mean
-  anything); the backward reads ``out`` as rows
-  of heads, ``(B, M, H, W)`` dense (its row stride is not passed: it is ``H * W``), and the
-  log-sum-exp with a unit stride along rows; without dropout the seed tensors are not read;
-  the width must be a multiple of the kernel's alignment (the ring pads to 8).
+  anything); the backward reads ``out`` as rows of heads, ``(B, M, H, W)`` dense (its row
+  stride is not passed: it is ``H * W``), and the log-sum-exp with a unit stride along rows;
+  without dropout the seed tensors are not read; the head size, strides and offset must be
+  multiples of the kernel's alignment (the ring pads the width to 8 and copies other views).
 
 Conventions a kernel does not document can change between releases, and a wrong one gives a
 wrong number without an error. So the CUDA kernel is first run once per device, dtype and width
