@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BlockKernel", "block_kernel", "efficient_kernel", "verified"]
+__all__ = ["CPU", "CUDA", "BlockKernel", "block_kernel", "efficient_kernel", "verified"]
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
