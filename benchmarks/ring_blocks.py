@@ -8,10 +8,12 @@ mask and no kernel call: the schedule decides those from positions), with the bl
 kernel, once its check has passed) and with explicit matmuls. The anchor is full
 ``scaled_dot_product_attention`` over the whole sequence, forward + backward, divided by ``N``:
 what a rank would take if the work split perfectly at no cost. The ratio is the slowest rank's
-time over that share (medians of interleaved rounds).
+time over that share (medians of interleaved rounds). With ``--window W`` the layer is causal
+with a sliding window of ``W`` keys (Hugging Face's ``sliding_window``): the blocks the window
+cuts are masked blocks, and the anchor is SDPA with the same boolean mask.
 
     python benchmarks/ring_blocks.py [--device cpu|cuda] [--dtype float32] [--seq 2048 4096]
-        [--ranks 2 4 8] [--threads 1] [--rounds 5]
+        [--ranks 2 4 8] [--window W] [--threads 1] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from pshard.sequence import _ring as ring
 from pshard.sequence._layouts import SeqLayout
+from pshard.sequence._masks import check_window
 
 HEADS, SIZE = 8, 64
 
@@ -58,10 +61,10 @@ def _timed(run, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _rank(s: int, n: int, r: int, dtype, device, explicit: bool):
+def _rank(s: int, n: int, r: int, dtype, device, explicit: bool, window: int | None):
     """One rank's ring compute, forward + backward, as a function to time."""
     lay = SeqLayout("zigzag", s, n)
-    spec = ring._Spec(lay, True, SIZE**-0.5, 1)
+    spec = ring._Spec(lay, True, SIZE**-0.5, 1, check_window("ring_blocks", window))
     c = types.SimpleNamespace(size=n, rank=r)
     g = torch.Generator(device=device).manual_seed(r)
     local = lay.local_length
@@ -80,15 +83,21 @@ def _rank(s: int, n: int, r: int, dtype, device, explicit: bool):
     return run
 
 
-def _full(s: int, dtype, device):
+def _full(s: int, dtype, device, window: int | None):
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, do = (
         torch.randn(1, HEADS, s, SIZE, generator=g, device=device, dtype=dtype) for _ in range(4)
     )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = None
+    if window is not None:  # query i sees key j when i - window < j <= i
+        i, j = torch.arange(s, device=device).view(-1, 1), torch.arange(s, device=device)
+        mask = (j <= i) & (i - window < j)
 
     def run() -> None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None
+        )
         torch.autograd.grad(out, (q, k, v), do)
 
     return run
@@ -100,6 +109,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--window", type=int, default=None, help="a causal sliding window")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -107,8 +117,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     kern = ring.block_kernel(device, ring._acc(dtype), SIZE)
     name = kern.name if kern is not None else "explicit matmuls (no fused kernel here)"
+    mask = "causal" if args.window is None else f"causal, window {args.window}"
     print(
-        f"ring blocks on {device} ({args.dtype}, {args.threads} thread(s) on CPU), causal, "
+        f"ring blocks on {device} ({args.dtype}, {args.threads} thread(s) on CPU), {mask}, "
         f"zigzag, b=1, {HEADS} heads of {SIZE}, fwd + bwd; kernel: {name}"
     )
     print(
@@ -116,12 +127,12 @@ def main() -> None:
         f"{'explicit ms':>11} {'ratio':>6} | {'ranks fused ms':>15}"
     )
     for s in args.seq:
-        full = _full(s, dtype, device)
+        full = _full(s, dtype, device, args.window)
         for n in args.ranks:
             runs = {"full": full}
             for r in range(n):
-                runs[("fused", r)] = _rank(s, n, r, dtype, device, explicit=False)
-                runs[("explicit", r)] = _rank(s, n, r, dtype, device, explicit=True)
+                runs[("fused", r)] = _rank(s, n, r, dtype, device, False, args.window)
+                runs[("explicit", r)] = _rank(s, n, r, dtype, device, True, args.window)
             for run in runs.values():  # warm-up (and the kernel's check, once)
                 run()
             times: dict = {key: [] for key in runs}

@@ -16,8 +16,9 @@ import math
 import warnings
 
 import pytest
+import test_seq_masks
 import torch
-from helpers import full_attention
+from helpers import full_attention, masked_attention, reference_mask
 from test_ring_attention import _check, _data, _worker
 
 import pshard as ps
@@ -41,9 +42,17 @@ def _reads(*ts: torch.Tensor) -> None:
         _needs(all(x % 8 == 0 for x in aligned), "misaligned head size, strides or offset")
 
 
-def _math(q, k, v, causal: bool, scale: float):
-    """Scaled scores (float64), masked by the top-left causal mask."""
+def _math(q, k, v, bias, causal: bool, scale: float):
+    """Scaled scores (float64) plus the bias, masked by the top-left causal mask."""
     s = (q.to(F64) @ k.to(F64).transpose(-1, -2)) * scale
+    if bias is not None:
+        b, h, m, n = s.shape
+        _needs(bias.dtype == q.dtype and tuple(bias.shape) == (b, h, m, n), "bias: BMHK, q's dtype")
+        _needs(bias.stride(-1) == 1, "bias: a unit stride along the keys")
+        # the kernel's alignment for float32 (4 elements): offset, batch, head and row strides
+        steps = [(bias.storage_offset(), 2), (bias.stride(0), b), (bias.stride(1), h)]
+        _needs(all(x % 4 == 0 for x, size in [*steps, (bias.stride(2), m)] if size > 1), "align")
+        s = s + bias.to(F64)
     if causal:
         seen = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
         s = s.masked_fill(~seen, -math.inf)
@@ -57,11 +66,11 @@ def _rows_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fake_efficient(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale):
-    _needs(bias is None and compute_log_sumexp and dropout_p == 0.0, "unsupported arguments")
+    _needs(compute_log_sumexp and dropout_p == 0.0, "unsupported arguments")
     _reads(q, k, v)
-    s = _math(q, k, v, is_causal, scale)
+    s = _math(q, k, v, bias, is_causal, scale)
     lse = torch.logsumexp(s, -1)
-    out = torch.softmax(s, -1) @ v.to(F64)
+    out = torch.softmax(s, -1) @ v.to(F64)  # NaN where a row sees no key: no contract there
     b, h, m = lse.shape
     padded = torch.full((b, h, -(-m // 32) * 32), math.nan, dtype=torch.float64)
     padded[..., :m] = lse  # rows past m hold nothing meaningful
@@ -73,7 +82,7 @@ def fake_efficient_backward(
     grad_out, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal=False,
     *, scale,
 ):  # fmt: skip
-    _needs(bias is None and dropout_p == 0.0 and list(grad_input_mask) == [1, 1, 1, 0], "args")
+    _needs(dropout_p == 0.0 and list(grad_input_mask) == [1, 1, 1, 0], "unsupported arguments")
     _reads(q, k, v)
     b, h, m, w = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
     # the kernel's row stride of `out` is h * w (not passed); heads, batches by their strides
@@ -81,7 +90,7 @@ def fake_efficient_backward(
         out, (b, m, h, w), (out.stride(0), h * w, out.stride(1), 1), out.storage_offset()
     ).transpose(1, 2)
     ls = torch.as_strided(lse, (b, h, m), (lse.stride(0), lse.stride(1), 1), lse.storage_offset())
-    p = torch.exp(_math(q, k, v, is_causal, scale) - ls.to(F64).unsqueeze(-1))
+    p = torch.exp(_math(q, k, v, bias, is_causal, scale) - ls.to(F64).unsqueeze(-1))
     do = grad_out.to(F64)
     dv = p.transpose(-1, -2) @ do
     ds = p * (do @ v.to(F64).transpose(-1, -2) - (do * o.to(F64)).sum(-1, keepdim=True))
@@ -92,28 +101,57 @@ def fake_efficient_backward(
 FAKE = kernels.efficient_kernel(fake_efficient, fake_efficient_backward)
 
 
-def _explicit_block(q, k, v, do, causal: bool, scale: float):
-    return kernels._explicit(*(t.to(F64) for t in (q, k, v, do)), causal, scale)
+def _explicit_block(q, k, v, do, scale: float, **kw):
+    return kernels._explicit(*(t.to(F64) for t in (q, k, v, do)), scale, **kw)
 
 
-@pytest.mark.parametrize("causal", [False, True])
+def _seen(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """A boolean mask with rows that see every key, some, and none."""
+    seen = torch.rand(shape, generator=g) < 0.4
+    seen[..., 0, :] = True
+    seen[..., 3, :] = False
+    if shape[0] > 1:
+        seen[1:, :, 4:6, :] = False
+    return seen
+
+
+def _additive(seen: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, -math.inf)
+
+
+@pytest.mark.parametrize("kind", ["full", "causal", "mask per row", "shared mask"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_adapter_on_the_stand_ins_equals_explicit_attention(causal: bool, dtype) -> None:
+def test_adapter_on_the_stand_ins_equals_explicit_attention(kind: str, dtype) -> None:
     """Output, log-sum-exp (the padding rows cut off) and the three gradients, from a merged
     output handed back ``(B, H, M, W)``-contiguous as the ring does (which the kernel would
-    misread as rows of heads without the adapter's relayout) and strided query rows."""
-    g = torch.Generator().manual_seed(int(causal))
-    m, n = 37, 37 if causal else 50
+    misread as rows of heads without the adapter's relayout) and strided query rows. Masks of
+    45 keys (a bias the kernel would refuse unless laid out with an aligned row stride) with
+    rows that see no key: the stand-ins give NaN there, the adapter's rows are exact zeros with
+    no gradient."""
+    g = torch.Generator().manual_seed(len(kind))
+    causal, m = kind == "causal", 37
+    n = 37 if causal else 45
     q = torch.randn(2, 3, m + 4, 16, generator=g, dtype=dtype)[..., 4:, :]
     k, v = (torch.randn(2, 3, n, 16, generator=g, dtype=dtype) for _ in range(2))
     do = torch.randn(2, 3, m, 16, generator=g, dtype=dtype)
-    out, lse = FAKE.forward(q, k, v, None, causal, 0.3)
-    assert lse.shape == (2, 3, m) and not lse.isnan().any()
-    grads = FAKE.backward(do, q, k, v, out.contiguous(), lse.contiguous(), None, causal, 0.3)
-    want = _explicit_block(q, k, v, do, causal, 0.3)
+    seen = None
+    if "mask" in kind:
+        seen = _seen((1 if kind == "shared mask" else 2, 1, m, n), g)
+    mask = None if seen is None else _additive(seen, dtype)
+    out, lse = FAKE.forward(q, k, v, mask, causal, 0.3)
+    assert lse.shape == (2, 3, m) and not lse.isnan().any() and not out.isnan().any()
+    want = list(_explicit_block(q, k, v, do, 0.3, causal=causal, seen=seen))
+    live = torch.isfinite(want[1])
+    assert (kind in ("full", "causal")) == bool(live.all())
+    # as the ring passes it back: 0 where a row sees nothing
+    grads = FAKE.backward(
+        do, q, k, v, out.contiguous(), torch.where(live, lse, 0.0), mask, causal, 0.3
+    )
+    lse, want[1] = torch.where(live, lse, 0.0), torch.where(live, want[1], 0.0)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
     for got, ref in zip((out, lse, *grads), want, strict=True):
         torch.testing.assert_close(got.to(F64), ref, **tol)
+    assert not out[~live].any()  # exact zeros
 
 
 def test_adapter_calls_the_real_ops_with_their_schemas() -> None:
@@ -130,13 +168,22 @@ def test_adapter_calls_the_real_ops_with_their_schemas() -> None:
         assert lse.dtype == torch.float32
         dq, dk, dv = kernels.CUDA.backward(do, q, kk, vv, out, lse, None, causal, 0.25)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, kk.shape, vv.shape)
+    for rows in (1, 2):  # a mask shared by the batch, one per batch row
+        mask = torch.empty(rows, 1, 37, 45, **meta)
+        out, lse = kernels.CUDA.forward(q, k, v, mask, False, 0.25)
+        assert out.shape == (2, 3, 37, 16) and lse.shape == (2, 3, 37)
+        dq, dk, dv = kernels.CUDA.backward(do, q, k, v, out, lse, mask, False, 0.25)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
 def _broken(kind: str) -> kernels.BlockKernel:
     """Adapters each getting one of the kernel's conventions wrong."""
 
     def forward(q, k, v, mask, causal, scale):
-        out, lse, _, _ = fake_efficient(q, k, v, None, True, 0.0, causal, scale=scale)
+        bias = None if mask is None else kernels._bias(mask, q.shape[0], q.shape[1])
+        out, lse, _, _ = fake_efficient(q, k, v, bias, True, 0.0, causal, scale=scale)
+        if mask is not None and kind != "empty rows kept":
+            out = out.masked_fill(torch.isneginf(mask).all(-1, keepdim=True), 0.0)
         if kind == "lse kept padded":
             return out, lse
         if kind == "lse in base 2":
@@ -146,20 +193,26 @@ def _broken(kind: str) -> kernels.BlockKernel:
     def backward(do, q, k, v, out, lse, mask, causal, scale):
         seed = torch.zeros((), dtype=torch.long)
         rows = out if kind == "out as given" else out.transpose(1, 2).contiguous().transpose(1, 2)
+        bias = None if mask is None else kernels._bias(mask, q.shape[0], q.shape[1])
         grads = fake_efficient_backward(
-            do, q, k, v, None, rows, lse, seed, seed, 0.0, [1, 1, 1, 0], causal, scale=scale
+            do, q, k, v, bias, rows, lse, seed, seed, 0.0, [1, 1, 1, 0], causal, scale=scale
         )
         return grads[:3]
 
-    return kernels.BlockKernel(kind, forward, backward, masks=False, cut=False, align=8)
+    return kernels.BlockKernel(kind, forward, backward, masks=True, cut=False, align=8)
 
 
-@pytest.mark.parametrize("kind", ["out as given", "lse kept padded", "lse in base 2"])
+KINDS = ["out as given", "lse kept padded", "lse in base 2", "empty rows kept"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_check_refuses_adapters_that_misread_the_kernel(kind: str) -> None:
     """Before first use the CUDA kernel is checked against explicit matmuls; an adapter that
     hands the backward ``out`` as the ring holds it (the kernel reads it as rows of heads: wrong
-    gradients, or an out-of-bounds read), keeps the padded log-sum-exp rows, or reads it in
-    another base fails, warns once, and the ring keeps explicit matmuls."""
+    gradients, or an out-of-bounds read), keeps the padded log-sum-exp rows, reads it in
+    another base, or leaves a row that sees no key as the kernel gives it (NaN from the
+    stand-ins: the kernel's contract says nothing of it) fails, warns once, and the ring keeps
+    explicit matmuls."""
     kern = _broken(kind)
     with pytest.warns(RuntimeWarning, match="disagrees with explicit matmuls"):
         assert not kernels.verified(kern, torch.device("cpu"), torch.float32, 16)
@@ -195,14 +248,14 @@ def test_cpu_blocks_use_the_cpu_kernel() -> None:
 # --------------------------------------------------------------------------- the ring on it
 
 
-def _efficient_worker(n: int, data: list) -> tuple[list, dict]:
-    """``_worker`` with every block that the CUDA kernel would take run on the stand-ins."""
-    calls = {"causal": 0, "full": 0}
+def _efficient_worker(n: int, data: list, worker=_worker) -> tuple[list, dict]:
+    """``worker`` with every block that the CUDA kernel would take run on the stand-ins."""
+    calls = {"causal": 0, "full": 0, "masked": 0}
 
     def counted(op):
         def run(*args, **kwargs):
             causal = args[6] if op is fake_efficient else args[11]
-            calls["causal" if causal else "full"] += 1
+            calls["masked" if args[3] is not None else "causal" if causal else "full"] += 1
             return op(*args, **kwargs)
 
         return run
@@ -211,7 +264,7 @@ def _efficient_worker(n: int, data: list) -> tuple[list, dict]:
     real = ring_module.block_kernel
     ring_module.block_kernel = lambda device, dtype, width: kern
     try:
-        return _worker(n, data), calls
+        return worker(n, data), calls
     finally:
         ring_module.block_kernel = real
 
@@ -219,14 +272,27 @@ def _efficient_worker(n: int, data: list) -> tuple[list, dict]:
 @pytest.mark.parametrize("n", [2, 4])
 def test_ring_on_the_cuda_kernel_equals_full_attention(pool, n: int) -> None:
     """Ring attention with the CUDA kernel's adapter (on the stand-ins): full blocks and causal
-    triangles on the kernel (never cut), padded blocks on explicit matmuls; forward, gradients
+    triangles on the kernel (never cut), padded blocks through its bias; forward, gradients
     and torch.func.grad equal full attention under every layout, grouped heads, another head
     size for v (both padded to the alignment)."""
     data = _data(n)
     got = pool.run(n, _efficient_worker, n, data)
     _check(n, data, [g for g, _ in got], {"rtol": 1e-9, "atol": 1e-11})
     for _, calls in got:
-        assert calls["causal"] > 0 and calls["full"] > 0, calls
+        assert calls["causal"] > 0 and calls["full"] > 0 and calls["masked"] > 0, calls
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_masked_ring_on_the_cuda_kernel_equals_full_attention(pool, n: int) -> None:
+    """Masked blocks through the kernel's bias (on the stand-ins, which give NaN for a query
+    that sees no key): packed documents with padding and queries that see nothing, sliding
+    windows, both, causal or not, every layout, grouped heads; forward, gradients and
+    torch.func.grad equal attention over the whole sequence with the same mask."""
+    data = test_seq_masks._data(n)
+    got = pool.run(n, _efficient_worker, n, data, test_seq_masks._worker, timeout=300)
+    test_seq_masks.check_against_full_attention(n, data, [g for g, _ in got])
+    for _, calls in got:
+        assert calls["masked"] > 0 and calls["full"] > 0, calls
 
 
 @pytest.mark.parametrize("dv", [8, 4, 12])
@@ -255,22 +321,45 @@ def test_views_the_kernel_cannot_read_are_copied(causal: bool, dv: int) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("causal", [False, True])
-def test_on_a_cuda_device(causal: bool) -> None:
-    """On a GPU: the real kernel passes its check, and ring attention on one rank (full blocks
-    and causal triangles on the kernel) equals SDPA, forward and gradients, in float32."""
-    dev = torch.device("cuda")
-    assert kernels.block_kernel(dev, torch.float32, 64) is kernels.CUDA
+def _on_a_device(dev: torch.device, causal: bool, packed: bool) -> None:
+    """Ring attention on one rank in float32 against the float64 oracle on ``dev``: every block
+    on the device's kernel (with ``packed``, masked blocks too: three documents and padding in
+    one row, whose padding queries see nothing, and two documents in the other)."""
     ps.init_mesh({"sp": 1})
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, c = (torch.randn(2, 300, 4, 64, generator=g, device=dev) for _ in range(4))
+    seg = None
+    if packed:
+        seg = torch.tensor([[0] * 100 + [1] * 120 + [2] * 50 + [-1] * 30, [3] * 170 + [4] * 130])
+        seg = seg.to(dev)
     inputs = [t.requires_grad_() for t in (q, k, v)]
-    got = ps.ring_attention(*inputs, causal=causal)
+    got = ps.ring_attention(*inputs, causal=causal, segment_ids=seg)
     got_grads = torch.autograd.grad((got * c).sum(), inputs)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        *(t.double().transpose(1, 2) for t in inputs), is_causal=causal
-    ).transpose(1, 2)
+    wide = [t.double() for t in inputs]
+    if packed:
+        want = masked_attention(*wide, reference_mask(300, seg.cpu(), causal).to(dev))
+    else:
+        want = full_attention(*wide, causal)
     want_grads = torch.autograd.grad((want * c.double()).sum(), inputs)
     for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_on_one_device_against_the_oracle(packed: bool) -> None:
+    """The CUDA test's body on the CPU kernel (so it is known to run): float32 blocks against
+    the float64 oracle."""
+    assert kernels.block_kernel(torch.device("cpu"), torch.float32, 64) is kernels.CPU
+    _on_a_device(torch.device("cpu"), True, packed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_on_a_cuda_device(causal: bool, packed: bool) -> None:
+    """On a GPU: the real kernel passes its check, and ring attention on one rank (full blocks,
+    causal triangles and masked blocks on the kernel) equals the float64 oracle, forward and
+    gradients, in float32."""
+    dev = torch.device("cuda")
+    assert kernels.block_kernel(dev, torch.float32, 64) is kernels.CUDA
+    _on_a_device(dev, causal, packed)

@@ -187,7 +187,11 @@ def _worker(n: int, data: list) -> list:
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_against_full_attention_with_masks(pool, n: int) -> None:
     data = _data(n)
-    got = pool.run(n, _worker, n, data, timeout=300)
+    check_against_full_attention(n, data, pool.run(n, _worker, n, data, timeout=300))
+
+
+def check_against_full_attention(n: int, data: list, got: list) -> None:
+    """What ``_worker`` gave on every rank against attention over the whole sequence."""
     for c, ((kind, s, hq, hkv, i), (q, k, v, cot, seg)) in enumerate(
         zip(_configs(n), data, strict=True)
     ):

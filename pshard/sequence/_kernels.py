@@ -9,14 +9,20 @@ is exact. :func:`block_kernel` picks one for a device and dtype, or ``None`` (ex
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward. Additive masks,
   float32 and float64, any strides but the head size's.
 - CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward, float32 here (the
-  ring computes its blocks in fp32). No masks: masked blocks keep explicit matmuls, full blocks
-  and causal triangles (square, so top-left and bottom-right alignment agree) take the kernel.
-  What the adapter relies on, from the kernel's sources: the log-sum-exp comes back padded to a
-  multiple of 32 rows on CUDA builds, unpadded on ROCm ones (only the first ``M`` mean
-  anything); the backward reads ``out`` as rows of heads, ``(B, M, H, W)`` dense (its row
-  stride is not passed: it is ``H * W``), and the log-sum-exp with a unit stride along rows;
-  without dropout the seed tensors are not read; the head size, strides and offset must be
-  multiples of the kernel's alignment (the ring pads the width to 8 and copies other views).
+  ring computes its blocks in fp32): full blocks, causal triangles (square, so top-left and
+  bottom-right alignment agree) and masked blocks (padding, packed documents, windows) through
+  the kernel's additive bias. What the adapter relies on, from the kernel's sources: the
+  log-sum-exp comes back padded to a multiple of 32 rows on CUDA builds, unpadded on ROCm ones
+  (only the first ``M`` mean anything); the backward reads ``out`` as rows of heads,
+  ``(B, M, H, W)`` dense (its row stride is not passed: it is ``H * W``), and the log-sum-exp
+  with a unit stride along rows; without dropout the seed tensors are not read; the head size,
+  strides and offset must be multiples of the kernel's alignment (the ring pads the width to 8
+  and copies other views); the bias is ``(B, H, M, N)`` in q's dtype, any strides whose
+  batch, head and row ones are multiples of the alignment (zero ones broadcast). What the
+  kernel gives for a row whose bias is ``-inf`` throughout (a query that sees no key) is not
+  part of its contract, so the adapter sets such rows' output to 0 itself (the ring sets their
+  log-sum-exp to ``-inf``); the backward gets the merged log-sum-exp, finite (0 for a row that
+  sees nothing at all), so those rows' probabilities are 0 and they give no gradient.
 
 Conventions a kernel does not document can change between releases, and a wrong one gives a
 wrong number without an error. So the CUDA kernel is first run once per device, dtype and width
@@ -80,6 +86,16 @@ CPU = BlockKernel("flash (cpu)", _cpu_forward, _cpu_backward, masks=True, cut=Tr
 # --------------------------------------------------------------------------- CUDA
 
 _LSE_ROWS = 32  # the efficient kernel's log-sum-exp is padded to a multiple of this many rows
+_BIAS_ALIGN = 16  # the bias's row stride, a multiple of the kernel's alignment for every dtype
+
+
+def _bias(mask: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """The additive mask ``(B | 1, 1, M, N)`` as the kernel's bias: in a buffer whose row
+    stride is a multiple of the alignment, expanded to ``(B, H, M, N)`` (no copy)."""
+    bm, _, m, n = mask.shape
+    buf = mask.new_empty(bm, 1, m, -(-n // _BIAS_ALIGN) * _BIAS_ALIGN)[..., :n]
+    buf.copy_(mask)
+    return buf.expand(batch, heads, m, n)
 
 
 def efficient_kernel(forward_op: Any, backward_op: Any) -> BlockKernel:
@@ -87,27 +103,27 @@ def efficient_kernel(forward_op: Any, backward_op: Any) -> BlockKernel:
     pass stand-ins that read memory the way the CUDA kernel does)."""
 
     def forward(q, k, v, mask, causal: bool, scale: float):
-        if mask is not None:
-            raise AssertionError("the efficient kernel is given no masks")
-        out, lse, _, _ = forward_op(q, k, v, None, True, 0.0, causal, scale=scale)
+        bias = None if mask is None else _bias(mask, q.shape[0], q.shape[1])
+        out, lse, _, _ = forward_op(q, k, v, bias, True, 0.0, causal, scale=scale)
+        if mask is not None:  # a row that sees no key: whatever the kernel gave, make it 0
+            out.masked_fill_(torch.isneginf(mask).all(-1, keepdim=True), 0.0)
         return out, lse[..., : q.shape[-2]]
 
     def backward(do, q, k, v, out, lse, mask, causal: bool, scale: float):
-        if mask is not None:
-            raise AssertionError("the efficient kernel is given no masks")
         b, h, m, _ = out.shape
+        bias = None if mask is None else _bias(mask, b, h)
         rows = out.transpose(1, 2).contiguous().transpose(1, 2)  # (B, M, H, W) dense in memory
         # padded as the forward gives it (ROCm's kernels take it unpadded)
         padded = lse.new_zeros(b, h, m if torch.version.hip else -(-m // _LSE_ROWS) * _LSE_ROWS)
         padded[..., :m] = lse
         seed = torch.zeros((), dtype=torch.long, device=q.device)  # unread without dropout
         dq, dk, dv, _ = backward_op(
-            do, q, k, v, None, rows, padded, seed, seed, 0.0, [True, True, True, False], causal,
+            do, q, k, v, bias, rows, padded, seed, seed, 0.0, [True, True, True, False], causal,
             scale=scale,
         )  # fmt: skip
         return dq, dk, dv
 
-    return BlockKernel("efficient (cuda)", forward, backward, masks=False, cut=False, align=8)
+    return BlockKernel("efficient (cuda)", forward, backward, masks=True, cut=False, align=8)
 
 
 _EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
@@ -167,25 +183,33 @@ def _agrees(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, width
     width = -(-width // kernel.align) * kernel.align  # as the ring pads it
     gen = torch.Generator(device=device).manual_seed(0)
     scale = 1.0 / math.sqrt(width)
-    b, h, m = 2, 3, 37
-    for causal, n in ((False, 45), (True, m)):
+    b, h, m, n = 2, 3, 37, 45
+    for causal, keys, seen in _problems(kernel, gen, device, b, m, n):
 
         def rows(count: int) -> torch.Tensor:  # a row slice of a larger tensor, as the ring's
             x = torch.randn(b, h, count + 3, width, generator=gen, device=device)
             return x.to(torch.float64)[..., 3:, :]
 
-        q, k, v, do = rows(m), rows(n), rows(n), rows(m)
-        want = _explicit(q, k, v, do, causal, scale)
+        q, k, v, do = rows(m), rows(keys), rows(keys), rows(m)
+        want = list(_explicit(q, k, v, do, scale, causal=causal, seen=seen))
+        mask = None
+        if seen is not None:
+            mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
+                ~seen, -math.inf
+            )
         try:
-            out, lse = kernel.forward(q.to(dtype), k.to(dtype), v.to(dtype), None, causal, scale)
-            # the ring hands back the merged output and log-sum-exp, contiguous (B, H, M, W)
-            out_c, lse_c = out.contiguous(), lse.contiguous()
+            out, lse = kernel.forward(q.to(dtype), k.to(dtype), v.to(dtype), mask, causal, scale)
+            # the ring hands back the merged output and log-sum-exp, contiguous (B, H, M, W),
+            # the log-sum-exp 0 where a row sees no key
+            live = torch.isfinite(want[1])
+            out_c, lse_c = out.contiguous(), torch.where(live, lse, 0.0).contiguous()
             grads = kernel.backward(
-                do.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out_c, lse_c, None,
+                do.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out_c, lse_c, mask,
                 causal, scale,
             )  # fmt: skip
         except RuntimeError:
             return False
+        lse, want[1] = torch.where(live, lse, 0.0), torch.where(live, want[1], 0.0)
         for got, ref in zip((out, lse, *grads), want, strict=True):
             if got.shape != ref.shape:
                 return False
@@ -195,15 +219,32 @@ def _agrees(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, width
     return True
 
 
-def _explicit(q, k, v, do, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
-    """Output, log-sum-exp and ``(dq, dk, dv)`` by the textbook formulas (no autograd, so it
-    runs under ``inference_mode`` and inside other functions' backward too)."""
+def _problems(kernel: BlockKernel, gen: torch.Generator, device, b: int, m: int, n: int):
+    """``(causal, keys, seen)`` of the check's blocks: a full one, a causal triangle, and with
+    masks a mask per batch row (rows that see every key, some, or none) and one shared by the
+    batch."""
+    yield False, n, None
+    yield True, m, None
+    if kernel.masks:
+        seen = torch.rand(b, 1, m, n, generator=gen, device=device) < 0.5
+        seen[:, :, 0] = True
+        seen[0, :, 1] = False
+        seen[1, :, 5:7] = False
+        yield False, n, seen
+        yield False, n, torch.rand(1, 1, m, n, generator=gen, device=device) < 0.3
+
+
+def _explicit(q, k, v, do, scale: float, *, causal: bool = False, seen=None) -> tuple:
+    """Output, log-sum-exp (``-inf`` where a row sees no key, its output and gradients 0) and
+    ``(dq, dk, dv)`` by the textbook formulas (no autograd, so it runs under ``inference_mode``
+    and inside other functions' backward too); ``seen``: a boolean mask ``(B | 1, 1, M, N)``."""
     s = q @ k.transpose(-1, -2) * scale
     if causal:
         seen = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if seen is not None:
         s = s.masked_fill(~seen, -math.inf)
     lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
     out = p @ v
     ds = p * (do @ v.transpose(-1, -2) - (do * out).sum(-1, keepdim=True))
     return out, lse, ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ do

@@ -4,8 +4,8 @@ Every rank keeps its queries and passes its key/value block to the next rank ``N
 after ``N`` steps each query has seen every key. Each step's partial softmax is merged into a
 running output with a running log-sum-exp (fp32, or the input dtype when wider), which makes
 the result exact attention over the whole sequence. Blocks run on a fused kernel when the
-device has one (:mod:`._kernels`: the CPU flash kernel; CUDA efficient attention for unmasked
-and causal blocks), else on explicit matmuls.
+device has one (:mod:`._kernels`: the CPU flash kernel; CUDA efficient attention in float32),
+else on explicit matmuls.
 
 Causal masking and padding come from the true global positions of the tokens (the sequence
 context of ``shard_map_seq``; outside it, a contiguous layout without padding). Each rank's
