@@ -4,11 +4,11 @@ The CUDA adapter (``aten._scaled_dot_product_efficient_attention`` and its backw
 here without a GPU: against the real ops' schemas on meta tensors, and numerically against
 stand-ins that read and write memory the way the CUDA kernel does (its log-sum-exp padded to 32
 rows, ``out`` read as ``(B, M, H, W)`` rows whatever its strides, the log-sum-exp with a unit
-row stride, a unit stride along the head size required); ring attention on those stand-ins
-equals full attention under every layout, padding and grouped heads. The check run before the
-CUDA kernel is first used passes on the faithful stand-ins and fails, with a warning, on
-adapters that get one of those conventions wrong.
-"""
+row stride, a unit stride along the head size required, the bias's strides aligned, NaN for a
+query that sees no key); ring attention on those stand-ins equals full attention under every
+layout, padding, packed documents, windows and grouped heads. The check run before the CUDA
+kernel is first used passes on the faithful stand-ins and fails, with a warning, on adapters
+that get one of those conventions wrong."""
 
 from __future__ import annotations
 
