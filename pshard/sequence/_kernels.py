@@ -18,11 +18,12 @@ is exact. :func:`block_kernel` picks one for a device and dtype, or ``None`` (ex
   with a unit stride along rows; without dropout the seed tensors are not read; the head size,
   strides and offset must be multiples of the kernel's alignment (the ring pads the width to 8
   and copies other views); the bias is ``(B, H, M, N)`` in q's dtype, any strides whose
-  batch, head and row ones are multiples of the alignment (zero ones broadcast). What the
-  kernel gives for a row whose bias is ``-inf`` throughout (a query that sees no key) is not
-  part of its contract, so the adapter sets such rows' output to 0 itself (the ring sets their
-  log-sum-exp to ``-inf``); the backward gets the merged log-sum-exp, finite (0 for a row that
-  sees nothing at all), so those rows' probabilities are 0 and they give no gradient.
+  batch, head and row ones are multiples of the alignment (zero ones broadcast).
+
+What either kernel gives for a row whose mask is ``-inf`` throughout (a query that sees no key
+in the block) is not part of its contract, so the ring sets such rows' output to 0 and their
+log-sum-exp to ``-inf`` itself; the backward gets the merged log-sum-exp, finite (0 for a row
+that sees nothing at all), so those rows' probabilities are 0 and they give no gradient.
 
 Conventions a kernel does not document can change between releases, and a wrong one gives a
 wrong number without an error. So the CUDA kernel is first run once per device, dtype and width
@@ -53,7 +54,8 @@ Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 class BlockKernel:
     """``forward(q, k, v, mask, causal, scale) -> (out, lse)`` and ``backward(do, q, k, v, out,
     lse, mask, causal, scale) -> (dq, dk, dv)`` on 4-d tensors (``mask``: additive ``(B | 1, 1,
-    M, N)`` or ``None``; ``causal``: row ``a`` sees keys ``<= a``, square blocks only)."""
+    M, N)`` or ``None``; ``causal``: row ``a`` sees keys ``<= a``, square blocks only). The
+    forward's rows that see no key may hold anything (see the module's notes)."""
 
     name: str
     forward: Forward
@@ -105,8 +107,6 @@ def efficient_kernel(forward_op: Any, backward_op: Any) -> BlockKernel:
     def forward(q, k, v, mask, causal: bool, scale: float):
         bias = None if mask is None else _bias(mask, q.shape[0], q.shape[1])
         out, lse, _, _ = forward_op(q, k, v, bias, True, 0.0, causal, scale=scale)
-        if mask is not None:  # a row that sees no key: whatever the kernel gave, make it 0
-            out.masked_fill_(torch.isneginf(mask).all(-1, keepdim=True), 0.0)
         return out, lse[..., : q.shape[-2]]
 
     def backward(do, q, k, v, out, lse, mask, causal: bool, scale: float):
@@ -199,9 +199,10 @@ def _agrees(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, width
             )
         try:
             out, lse = kernel.forward(q.to(dtype), k.to(dtype), v.to(dtype), mask, causal, scale)
-            # the ring hands back the merged output and log-sum-exp, contiguous (B, H, M, W),
-            # the log-sum-exp 0 where a row sees no key
+            # as the ring does: rows that see no key 0 (log-sum-exp -inf, handed back as 0);
+            # the merged output and log-sum-exp handed back contiguous (B, H, M, W)
             live = torch.isfinite(want[1])
+            out = torch.where(live.unsqueeze(-1), out, 0.0)
             out_c, lse_c = out.contiguous(), torch.where(live, lse, 0.0).contiguous()
             grads = kernel.backward(
                 do.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out_c, lse_c, mask,

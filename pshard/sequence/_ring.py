@@ -421,7 +421,8 @@ def _block_forward(
         return _by_row(out, g), _by_row(lse.unsqueeze(-1), g).squeeze(-1)
     add, seen = _additive(mask, spec.groups, acc, qa.device)
     out, lse = _flash(qa, kb, vb, add, False, spec, acc, kern)
-    if seen is not None:  # the kernel reports 0 for a row that sees nothing: make it -inf
+    if seen is not None:  # a row that sees no key: whatever the kernel gave, 0 and -inf
+        out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
         lse = lse.masked_fill(~seen, -math.inf)
     return out, lse
 
