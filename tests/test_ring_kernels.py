@@ -115,10 +115,6 @@ def _seen(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     return seen
 
 
-def _additive(seen: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, -math.inf)
-
-
 @pytest.mark.parametrize("kind", ["full", "causal", "mask per row", "shared mask"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_adapter_on_the_stand_ins_equals_explicit_attention(kind: str, dtype) -> None:
@@ -137,7 +133,7 @@ def test_adapter_on_the_stand_ins_equals_explicit_attention(kind: str, dtype) ->
     seen = None
     if "mask" in kind:
         seen = _seen((1 if kind == "shared mask" else 2, 1, m, n), g)
-    mask = None if seen is None else _additive(seen, dtype)
+    mask = None if seen is None else kernels.additive(seen, dtype)
     out, lse = FAKE.forward(q, k, v, mask, causal, 0.3)
     assert lse.shape == (2, 3, m)
     want = list(_explicit_block(q, k, v, do, 0.3, causal=causal, seen=seen))

@@ -44,7 +44,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU", "CUDA", "BlockKernel", "block_kernel", "efficient_kernel", "verified"]
+__all__ = [
+    "CPU",
+    "CUDA",
+    "BlockKernel",
+    "additive",
+    "block_kernel",
+    "efficient_kernel",
+    "finite",
+    "verified",
+]
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -63,6 +72,16 @@ class BlockKernel:
     masks: bool  # takes an additive mask (else masked blocks use explicit matmuls)
     cut: bool  # causal blocks are cut in halves first (the kernel skips only tiles of its size)
     align: int  # the width is padded to a multiple of this
+
+
+def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: the key is seen) as an additive one: 0 and ``-inf``."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, -math.inf)
+
+
+def finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (rows that see no key) as 0, so ``exp(-inf - 0) = 0``."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
 # --------------------------------------------------------------------------- CPU
@@ -192,11 +211,7 @@ def _agrees(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, width
 
         q, k, v, do = rows(m), rows(keys), rows(keys), rows(m)
         want = list(_explicit(q, k, v, do, scale, causal=causal, seen=seen))
-        mask = None
-        if seen is not None:
-            mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
-                ~seen, -math.inf
-            )
+        mask = None if seen is None else additive(seen, dtype)
         try:
             out, lse = kernel.forward(q.to(dtype), k.to(dtype), v.to(dtype), mask, causal, scale)
             # as the ring does: rows that see no key 0 (log-sum-exp -inf, handed back as 0);
@@ -245,7 +260,7 @@ def _explicit(q, k, v, do, scale: float, *, causal: bool = False, seen=None) -> 
     if seen is not None:
         s = s.masked_fill(~seen, -math.inf)
     lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    p = torch.exp(s - finite(lse).unsqueeze(-1))
     out = p @ v
     ds = p * (do @ v.transpose(-1, -2) - (do * out).sum(-1, keepdim=True))
     return out, lse, ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ do

@@ -40,7 +40,7 @@ from .. import _comm as raw
 from .._collectives import _call
 from .._mesh import Axis
 from ._context import context_scope
-from ._kernels import BlockKernel, block_kernel
+from ._kernels import BlockKernel, additive, block_kernel, finite
 from ._layouts import SeqLayout, pad_permute
 from ._masks import (
     Window,
@@ -346,11 +346,6 @@ def _scores(qa, kb, mask, spec: _Spec, acc) -> torch.Tensor:
     return s
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with ``-inf`` (rows that see no key) as 0, so ``exp(-inf - 0) = 0``."""
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-
-
 def _fold(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """``(..., hkv, g, L, d)`` -> rows ``[lo, hi)`` as ``(..., hkv, g * (hi - lo), d)``."""
     return x[..., lo:hi, :].flatten(-3, -2)
@@ -385,7 +380,7 @@ def _as4d(x: torch.Tensor, width: int, align: int = 1) -> torch.Tensor:
     return x
 
 
-def _additive(mask: Any, groups: int, dtype: torch.dtype, device: torch.device) -> Any:
+def _additive(mask: Any, groups: int, dtype: torch.dtype) -> Any:
     """A boolean block mask as the fused kernel's additive one (rows repeated for the query
     heads folded into the rows), and which rows see a key; ``(None, None)`` without a mask."""
     if mask is None:
@@ -394,8 +389,7 @@ def _additive(mask: Any, groups: int, dtype: torch.dtype, device: torch.device) 
         m = mask.repeat(groups, 1)[None, None]
     else:  # (batch..., 1, 1, lq, lk)
         m = mask.reshape(-1, 1, *mask.shape[-2:]).repeat(1, 1, groups, 1)
-    add = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, -math.inf)
-    return add, m.any(-1)
+    return additive(m, dtype), m.any(-1)
 
 
 def _block_forward(
@@ -407,7 +401,7 @@ def _block_forward(
     if _explicit(kern, mask, tri):
         s = _scores(qa, kb, mask, spec, acc)
         lse_b = torch.logsumexp(s, -1)
-        p = torch.exp(s - _finite(lse_b).unsqueeze(-1))
+        p = torch.exp(s - finite(lse_b).unsqueeze(-1))
         return torch.matmul(p.to(vb.dtype), vb).to(acc), lse_b
     if tri is not None:  # one head per query head, as the kernel's causal flag wants
         g = spec.groups
@@ -419,7 +413,7 @@ def _block_forward(
             out = torch.cat([out.new_zeros((*out.shape[:-2], 1, out.shape[-1])), out], -2)
             lse = torch.cat([lse.new_full((*lse.shape[:-1], 1), -math.inf), lse], -1)
         return _by_row(out, g), _by_row(lse.unsqueeze(-1), g).squeeze(-1)
-    add, seen = _additive(mask, spec.groups, acc, qa.device)
+    add, seen = _additive(mask, spec.groups, acc)
     out, lse = _flash(qa, kb, vb, add, False, spec, acc, kern)
     if seen is not None:  # a row that sees no key: whatever the kernel gave, 0 and -inf
         out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
@@ -519,7 +513,7 @@ def _block_backward(
         if g > 1:
             dk, dv = dk.unflatten(-3, (-1, g)).sum(-3), dv.unflatten(-3, (-1, g)).sum(-3)
         return _by_row(dq, g), dk, dv
-    add, _ = _additive(mask, spec.groups, acc, qa.device)
+    add, _ = _additive(mask, spec.groups, acc)
     return _flash_backward(qa, kr, vr, do, out_rows, lse_rows, add, False, spec, kern)
 
 
@@ -593,7 +587,7 @@ def _ring_forward(q, k, v, segs, c: raw.Comm, spec: _Spec) -> tuple[torch.Tensor
                 outs[st.q], lses[st.q] = o_b, lse_b
                 continue
             lse = torch.logaddexp(lses[st.q], lse_b)
-            base = _finite(lse)
+            base = finite(lse)
             outs[st.q] = outs[st.q] * torch.exp(lses[st.q] - base).unsqueeze(-1) + o_b * torch.exp(
                 lse_b - base
             ).unsqueeze(-1)
@@ -615,7 +609,7 @@ def _ring_backward(q, k, v, out, lse, dout, segs, c: raw.Comm, spec: _Spec):
     chunks = range(len(b) - 1)
     qs = [_fold(q, b[a], b[a + 1]).to(acc) for a in chunks]
     dos = [_fold(dout, b[a], b[a + 1]).to(acc) for a in chunks]
-    lses = [_finite(lse[..., b[a] : b[a + 1]].flatten(-2)) for a in chunks]
+    lses = [finite(lse[..., b[a] : b[a + 1]].flatten(-2)) for a in chunks]
     outs = [_fold(out, b[a], b[a + 1]).to(acc) for a in chunks]
     deltas = [(do * o).sum(-1) for do, o in zip(dos, outs, strict=True)]
     dqs: list[Any] = [None] * len(qs)  # assigned by a chunk's first block, then summed into
