@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import pshard as ps  # noqa: E402
-from pshard._annotations import default_in_specs, default_out_specs  # noqa: E402
+from pshard._core.annotations import default_in_specs, default_out_specs  # noqa: E402
 
 
 @dataclasses.dataclass

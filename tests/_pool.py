@@ -1,8 +1,8 @@
 """A pool of persistent gloo workers for multi-process tests (the ``pool`` fixture).
 
 One gang of ``nprocs`` workers per world size, started on first use and reused by later tests
-(process group kept alive). Built on ``pshard._spawn._Gang``, the machinery under ``ps.spawn``:
-same start-up, loopback rendezvous, remote tracebacks and teardown.
+(process group kept alive). Built on ``pshard._runtime.spawn._Gang``, the machinery under
+``ps.spawn``: same start-up, loopback rendezvous, remote tracebacks and teardown.
 
     results = pool.run(nprocs, fn, *args, timeout=120.0, **kwargs)  # per-rank values, rank order
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pshard._spawn import _check_fn, _Gang, _pickle_task
+from pshard._runtime.spawn import _check_fn, _Gang, _pickle_task
 
 # Seconds a fresh gang may take to start (imports of torch on a loaded 2-core machine).
 _STARTUP_TIMEOUT_S = 120.0

@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from pshard._tree import is_block_mask, tree_flatten, tree_leaves
+from pshard._core.tree import is_block_mask, tree_flatten, tree_leaves
 from pshard.sequence._layouts import SeqLayout, pad_permute
 
 BATCH = 4

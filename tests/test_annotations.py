@@ -25,8 +25,8 @@ from torch.func import grad, grad_and_value
 
 import pshard as ps
 from pshard import _annotations
-from pshard._annotations import default_in_specs, default_out_specs
-from pshard._specs import broadcast_prefix
+from pshard._core.annotations import default_in_specs, default_out_specs
+from pshard._core.specs import broadcast_prefix
 
 DT = torch.float64
 S0, S1, R = ps.Shard(0), ps.Shard(1), ps.Replicate()

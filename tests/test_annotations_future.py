@@ -13,7 +13,7 @@ import torch
 from torch.func import grad_and_value
 
 import pshard as ps
-from pshard._annotations import default_in_specs, default_out_specs
+from pshard._core.annotations import default_in_specs, default_out_specs
 
 if TYPE_CHECKING:
     from collections import OrderedDict  # noqa: F401 - only for the type checker

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import pshard as ps
-from pshard._mesh import AxisInfo, resolve_axis
+from pshard._runtime.mesh import AxisInfo, resolve_axis
 
 _ROOT = Path(__file__).resolve().parents[1]
 _NO_MESH = "pshard: no current mesh; create one with ps.init_mesh({...}) or enter ps.use_mesh(mesh)"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import pshard as ps
-from pshard._spawn import RemoteTraceback
+from pshard._runtime.spawn import RemoteTraceback
 
 _VAR: contextvars.ContextVar[str] = contextvars.ContextVar("test_pool_var", default="unset")
 

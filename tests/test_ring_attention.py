@@ -25,7 +25,7 @@ from test_seq_model import (
 )
 
 import pshard as ps
-from pshard._tree import tree_map
+from pshard._core.tree import tree_map
 from pshard.sequence import _kernels as kernels
 from pshard.sequence import _ring as ring_module
 from pshard.sequence._context import SeqContext, sequence_context

@@ -25,7 +25,7 @@ from test_ring_attention import count_worker
 from test_seq_model import _norm, _rope, _sums, init_params
 
 import pshard as ps
-from pshard._tree import tree_leaves, tree_map
+from pshard._core.tree import tree_leaves, tree_map
 from pshard.sequence._context import SeqContext, sequence_context
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
 from pshard.sequence._masks import check_window, position_mask, visible_counts

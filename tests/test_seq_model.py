@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import pshard as ps
-from pshard._tree import tree_leaves, tree_map
+from pshard._core.tree import tree_leaves, tree_map
 
 V, DM, HD, FF = 13, 8, 2, 12
 TOL = {"rtol": 1e-9, "atol": 1e-11}

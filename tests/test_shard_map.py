@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import pshard as ps
-from pshard._tree import tree_flatten as ps_tree_flatten
+from pshard._core.tree import tree_flatten as ps_tree_flatten
 
 MESHES: dict[int, tuple[dict[str, int], ...]] = {
     1: ({"x": 1},),

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import pshard as ps
-from pshard._spawn import RemoteTraceback
+from pshard._runtime.spawn import RemoteTraceback
 
 
 def _gone(pid: int) -> bool:

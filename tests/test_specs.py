@@ -23,7 +23,7 @@ from helpers import (
 )
 
 import pshard as ps
-from pshard._specs import (
+from pshard._core.specs import (
     _match_cached,
     broadcast_prefix,
     broadcast_prefix_flat,
@@ -31,7 +31,7 @@ from pshard._specs import (
     is_split,
     resolve_specs,
 )
-from pshard._tree import NAMESPACE, is_block_mask, tree_flatten, tree_leaves, tree_unflatten
+from pshard._core.tree import NAMESPACE, is_block_mask, tree_flatten, tree_leaves, tree_unflatten
 
 
 def _markers(n: int) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ from torch.distributed.pipelining.microbatch import (
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import pshard as ps
-from pshard._tree import is_block_mask, tree_flatten
+from pshard._core.tree import is_block_mask, tree_flatten
 
 FLEX_EAGER = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

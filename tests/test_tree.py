@@ -29,7 +29,7 @@ from helpers import (
 )
 
 import pshard as ps
-from pshard._tree import (
+from pshard._core.tree import (
     NAMESPACE,
     describe,
     is_block_mask,

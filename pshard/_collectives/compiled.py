@@ -1,13 +1,13 @@
 """The collectives as ``torch.library`` custom ops, for code that ``torch.compile`` traces.
 
-Eager code runs the ``autograd.Function`` s of ``_collectives.py`` (every ``torch.func`` rule
+Eager code runs the ``autograd.Function`` s of ``functions.py`` (every ``torch.func`` rule
 there); while dynamo traces, ``_collectives._call`` puts one of these ops in the graph instead,
 so a collective is one node of the graph, not a graph break:
 
 * ``pshard::<name>(Tensor x, str axis, int size, int rank, ...)``: ``axis`` is the
-  :func:`pshard._comm.axis_key` of the axis and ``size``/``rank`` what it resolved to when
+  :func:`pshard._runtime.wire.axis_key` of the axis and ``size``/``rank`` what it resolved to when
   traced. Running the op resolves the key again in the current mesh, checks size and index
-  (:func:`pshard._comm.comm_at_run`) and calls the same raw collective as eager code; debug
+  (:func:`pshard._runtime.wire.comm_at_run`) and calls the same raw collective as eager code; debug
   checks run then too.
 * a fake (meta) rule gives the output's shape, so the tracer and inductor never communicate;
 * an autograd rule: the transpose, again one of these ops (``.backward()`` through a compiled
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from . import _comm as raw
-from ._comm import Comm
+from .._runtime import wire as raw
+from .._runtime.wire import Comm
 
 __all__ = [
     "psum",

@@ -31,15 +31,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _comm as raw
-from . import _ops
-from ._checks import check_int, normalize_dim
-from ._comm import Comm as _Comm
-from ._comm import Perm
-from ._comm import comm as _comm
-from ._debug import check_pytree
-from ._mesh import Axis, resolve_axis
-from ._tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
+from .._core.checks import check_int, normalize_dim
+from .._core.tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
+from .._runtime import wire as raw
+from .._runtime.debug import check_pytree
+from .._runtime.mesh import Axis, resolve_axis
+from .._runtime.wire import Comm as _Comm
+from .._runtime.wire import Perm
+from .._runtime.wire import comm as _comm
+from . import compiled
 
 __all__ = [
     "psum",
@@ -85,7 +85,7 @@ def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
 
 def _eager_rules(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
     """Keep dynamo out of ``cls``'s rules. They run eagerly by design (a compiled region uses
-    the ops of ``_ops.py``), yet the autograd engine and ``torch.func`` call them from inside
+    the ops of ``compiled.py``), yet the autograd engine and ``torch.func`` call them from inside
     a compiled function's eager parts, where dynamo would compile each frame again per shape."""
     for name in ("forward", "backward", "jvp", "vmap"):
         setattr(cls, name, staticmethod(torch._dynamo.disable(getattr(cls, name), recursive=True)))
@@ -320,19 +320,19 @@ class _Reduce(torch.autograd.Function):
 
 # --- under torch.compile -------------------------------------------------------------------------
 #
-# A collective becomes one custom op of the graph (pshard._ops), with the Comm traced as a constant
-# whose key the op resolves again when it runs. torch.func transforms traced by dynamo would get
-# wrong tangents from a Function's custom jvp and have no rules for a custom op, so inside one the
-# graph breaks and the transform runs eagerly, with the rules above.
+# A collective becomes one custom op of the graph (pshard._collectives.compiled), with the Comm
+# traced as a constant whose key the op resolves again when it runs. torch.func transforms traced by
+# dynamo would get wrong tangents from a Function's custom jvp and have no rules for a custom op, so
+# inside one the graph breaks and the transform runs eagerly, with the rules above.
 
 _COLLECTIVES: dict[str, tuple[Any, Callable[..., torch.Tensor], Callable[..., tuple]]] = {
-    "psum": (_PSum, _ops.psum, lambda: ()),
-    "pextreme": (_PExtreme, _ops.pextreme, lambda op: (op,)),
-    "all_gather": (_AllGather, _ops.all_gather, lambda dim, tiled: (dim, tiled)),
-    "psum_scatter": (_PSumScatter, _ops.psum_scatter, lambda dim, tiled: (dim, tiled)),
-    "all_to_all": (_AllToAll, _ops.all_to_all, lambda split, concat: (split, concat)),
-    "ppermute": (_PPermute, _ops.ppermute, lambda perm: ([i for pair in perm for i in pair],)),
-    "broadcast": (_Broadcast, _ops.broadcast, lambda src: (src,)),
+    "psum": (_PSum, compiled.psum, lambda: ()),
+    "pextreme": (_PExtreme, compiled.pextreme, lambda op: (op,)),
+    "all_gather": (_AllGather, compiled.all_gather, lambda dim, tiled: (dim, tiled)),
+    "psum_scatter": (_PSumScatter, compiled.psum_scatter, lambda dim, tiled: (dim, tiled)),
+    "all_to_all": (_AllToAll, compiled.all_to_all, lambda split, concat: (split, concat)),
+    "ppermute": (_PPermute, compiled.ppermute, lambda perm: ([i for pair in perm for i in pair],)),
+    "broadcast": (_Broadcast, compiled.broadcast, lambda src: (src,)),
 }
 
 

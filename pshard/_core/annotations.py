@@ -63,10 +63,10 @@ from typing import Annotated, Any
 
 import torch
 
-from ._checks import fn_name
-from ._placements import P, Placement, Replicate, from_torch_placement
-from ._specs import _is_torch_placement, rebuild_spec_tree
-from ._tree import describe, tree_flatten, tree_leaves
+from .checks import fn_name
+from .placements import P, Placement, Replicate, from_torch_placement
+from .specs import _is_torch_placement, rebuild_spec_tree
+from .tree import describe, tree_flatten, tree_leaves
 
 __all__ = ["check_out_annotation", "default_in_specs", "default_out_specs", "specs_of"]
 

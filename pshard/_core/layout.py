@@ -28,7 +28,7 @@ from typing import Any, cast
 
 import torch
 
-from ._placements import P, Partial, Placement, Shard, StridedShard
+from .placements import P, Partial, Placement, Shard, StridedShard
 
 __all__ = [
     "local_shape_and_offset",

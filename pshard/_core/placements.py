@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from ._checks import check_int
+from .checks import check_int
 
 __all__ = [
     "Placement",

@@ -45,8 +45,8 @@ import optree
 import torch
 from optree import PyTreeKind, PyTreeSpec
 
-from ._placements import P, Placement, Replicate, Shard, StridedShard, from_torch_placement
-from ._tree import (
+from .placements import P, Placement, Replicate, Shard, StridedShard, from_torch_placement
+from .tree import (
     NAMESPACE,
     article,
     describe,
@@ -243,7 +243,7 @@ def broadcast_prefix_flat(
 
     Args:
         prefix: a prefix tree of ``treedef`` (``None`` is a leaf).
-        treedef: the structure of the value, from :func:`pshard._tree.tree_flatten`.
+        treedef: the structure of the value, from :func:`pshard._core.tree.tree_flatten`.
         leaves: the value's leaves, only to describe them in errors.
         name: the argument's name, for errors (``in_specs``, ``out_specs``, ``pad_values``).
         fn_name: the function's name, for errors (``shard_map_seq``).
@@ -255,8 +255,8 @@ def broadcast_prefix_flat(
     pshard's (:func:`pshard.from_torch_placement`).
 
     Example:
-        >>> from pshard._specs import broadcast_prefix_flat
-        >>> from pshard._tree import tree_flatten
+        >>> from pshard._core.specs import broadcast_prefix_flat
+        >>> from pshard._core.tree import tree_flatten
         >>> leaves, treedef = tree_flatten({"ids": 1, "pair": (2, 3)})
         >>> broadcast_prefix_flat({"ids": "a", "pair": None}, treedef)
         ['a', None, None]
@@ -332,7 +332,7 @@ def broadcast_prefix(
     Example:
         >>> import torch
         >>> import pshard as ps
-        >>> from pshard._specs import broadcast_prefix
+        >>> from pshard._core.specs import broadcast_prefix
         >>> batch = {"ids": torch.zeros(4, 8), "extra": {"a": torch.zeros(4), "b": 1}}
         >>> broadcast_prefix({"ids": ps.Shard(1), "extra": None}, batch)
         [None, None, Shard(1)]
@@ -490,8 +490,8 @@ def resolve_specs(
     Example:
         >>> import torch
         >>> import pshard as ps
-        >>> from pshard._specs import resolve_specs
-        >>> from pshard._tree import tree_flatten
+        >>> from pshard._core.specs import resolve_specs
+        >>> from pshard._core.tree import tree_flatten
         >>> args = (torch.zeros(4, 8), {"labels": torch.zeros(4, 1000), "n": 3})
         >>> leaves, treedef = tree_flatten(args)
         >>> resolve_specs((ps.Shard(1), {"labels": ps.Shard(1), "n": None}), leaves, treedef)

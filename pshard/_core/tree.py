@@ -59,7 +59,7 @@ import optree
 import torch
 from optree import PyTreeAccessor, PyTreeEntry, PyTreeSpec
 
-from ._placements import P, Placement
+from .placements import P, Placement
 
 try:
     from torch.nn.attention.flex_attention import BlockMask as _BlockMask
@@ -243,7 +243,7 @@ def tree_flatten(
     Mappings and dataclasses of types not seen before are registered on the way.
 
     Example:
-        >>> from pshard._tree import tree_flatten, tree_unflatten
+        >>> from pshard._core.tree import tree_flatten, tree_unflatten
         >>> leaves, treedef = tree_flatten({"b": 1, "a": (2, None)})
         >>> leaves
         [2, 1]
@@ -267,7 +267,7 @@ def tree_flatten_with_path(
     """Like :func:`tree_flatten`, with each leaf's path (an optree ``PyTreeAccessor``).
 
     Example:
-        >>> from pshard._tree import keystr, tree_flatten_with_path
+        >>> from pshard._core.tree import keystr, tree_flatten_with_path
         >>> paths, leaves, _ = tree_flatten_with_path((1, {"labels": 2}))
         >>> [keystr(p, "in_specs") for p in paths]
         ['in_specs[0]', "in_specs[1]['labels']"]
@@ -305,7 +305,7 @@ def tree_map(
     """Apply ``fn`` to the leaves of ``tree`` (and the matching leaves or subtrees of ``rest``).
 
     Example:
-        >>> from pshard._tree import tree_map
+        >>> from pshard._core.tree import tree_map
         >>> tree_map(lambda x, y: x + y, {"a": 1, "b": [2]}, {"a": 10, "b": [20]})
         {'a': 11, 'b': [22]}
     """
@@ -326,7 +326,7 @@ def keystr(path: PyTreeAccessor | Sequence[Any], prefix: str = "") -> str:
     optree ``PyTreeEntry`` objects, or a sequence of plain keys and indices (written ``[k]``).
 
     Example:
-        >>> from pshard._tree import keystr
+        >>> from pshard._core.tree import keystr
         >>> keystr((1, "labels"), "in_specs")
         "in_specs[1]['labels']"
     """
@@ -355,7 +355,7 @@ def describe(x: Any) -> str:
 
     Example:
         >>> import torch
-        >>> from pshard._tree import describe
+        >>> from pshard._core.tree import describe
         >>> describe(torch.zeros(4, 1000)), describe(5), describe(None)
         ('a tensor of shape (4, 1000)', 'an int (5)', 'None')
     """

@@ -8,7 +8,8 @@ A dispatch mode marks every tensor computed from a split input (or from a size i
 which separates the outputs that need a reduction over microbatches from those that do not.
 
 What each traced value is (per-example, a reduction over the batch, ...) is decided by the rules
-of :mod:`pshard._batch_kinds`; this module traces, and turns the kinds of the outputs into specs.
+of :mod:`pshard._microbatch.batch_kinds`; this module traces, and turns the kinds of the outputs
+into specs.
 
 One module-level object holds state: :data:`_CACHE`, the traced out specs per function and input
 signature (and grad mode and weighting). It keeps functions only weakly, so a bound method,
@@ -29,18 +30,18 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._batch_kinds import CONST, MIXED, Kind, Rules, describe_kind, join, output_kinds
-from ._checks import fn_name
-from ._placements import Partial, Placement, Replicate, Shard
-from ._specs import default_spec, rebuild_spec_tree
-from ._split_merge import Inputs, resolve_inputs
-from ._tree import (
+from .._core.checks import fn_name
+from .._core.placements import Partial, Placement, Replicate, Shard
+from .._core.specs import default_spec, rebuild_spec_tree
+from .._core.tree import (
     NAMESPACE,
     article,
     keystr,
     tree_flatten_with_path,
     tree_unflatten,
 )
+from .batch_kinds import CONST, MIXED, Kind, Rules, describe_kind, join, output_kinds
+from .split_merge import Inputs, resolve_inputs
 
 __all__ = ["infer_out_specs"]
 
@@ -217,7 +218,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, Any]:
 
 class _KindMode(TorchDispatchMode):
     """Runs under the fake mode of a trace and gives every tensor its :class:`Kind` (how it
-    depends on the batch), by the rules of :mod:`pshard._batch_kinds`.
+    depends on the batch), by the rules of :mod:`pshard._microbatch.batch_kinds`.
 
     A tensor's kind is that of its view (tensors made by an op) joined with the writes made
     into its storage (so an in-place write of batch values into a buffer, or into a view of
@@ -578,12 +579,12 @@ def out_specs_of_inputs(
     api: str = "infer_out_specs",
     allow_ratio: bool = False,
 ) -> Any:
-    """Out spec tree of ``fn`` for inputs resolved by :func:`pshard._split_merge.resolve_inputs`
-    (the positional and keyword parts), cached per ``fn`` and input signature (treedef, shapes
-    without the batch size, dtypes, devices, requires_grad, split dims, non-tensor values, grad
-    mode, weighting); errors are not cached. ``api`` starts every error (``"api(fn_name) ..."``);
-    ``allow_ratio`` (``pmap_microbatch`` with a ``weight_fn``) merges ratios of batch sums as
-    ``Partial("mean")``."""
+    """Out spec tree of ``fn`` for inputs resolved by
+    :func:`pshard._microbatch.split_merge.resolve_inputs` (the positional and keyword parts), cached
+    per ``fn`` and input signature (treedef, shapes without the batch size, dtypes, devices,
+    requires_grad, split dims, non-tensor values, grad mode, weighting); errors are not cached.
+    ``api`` starts every error (``"api(fn_name) ..."``); ``allow_ratio`` (``pmap_microbatch`` with a
+    ``weight_fn``) merges ratios of batch sums as ``Partial("mean")``."""
     where = f"{api}({fn_name(fn)})"
     split_dims = _check_inputs(where, inputs)
     treedef = optree.treespec_tuple(inputs.defs, namespace=NAMESPACE)
@@ -615,8 +616,8 @@ def infer_out_specs(
     ``fn`` is traced once on fake tensors (no real compute): the split dim of every ``Shard(d)``
     input gets one shared symbolic size ``B`` (the batch size), every other dim keeps its size,
     and every traced value gets a kind saying how it depends on the batch
-    (:mod:`pshard._batch_kinds`: per-example rows, a sum / max / min over the batch times a power
-    of ``B``, a ratio of batch sums, or a mix). Each output leaf then gets:
+    (:mod:`pshard._microbatch.batch_kinds`: per-example rows, a sum / max / min over the batch
+    times a power of ``B``, a ratio of batch sums, or a mix). Each output leaf then gets:
 
     - ``Shard(d)`` when its dim ``d`` has size exactly ``B`` and its rows are per-example values;
     - ``Partial(r)`` when it is a reduction over the batch, ``r`` the reduction the trace

@@ -22,7 +22,7 @@ refused. The rules below cover torch's aten ops by family (pointwise, views, red
 contractions, factories, losses, norms, indexing); an op with no rule makes any batch-dependent
 output ``mixed``, so the analysis refuses rather than guesses.
 
-Pure: no process group, no tensors made. Used by :mod:`pshard._batch_dim`.
+Pure: no process group, no tensors made. Used by :mod:`pshard._microbatch.batch_dim`.
 """
 
 from __future__ import annotations

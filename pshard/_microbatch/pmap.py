@@ -15,15 +15,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._annotations import default_in_specs, default_out_specs
-from ._batch_dim import out_specs_of_inputs
-from ._checks import check_int, fn_name
-from ._debug import debug_enabled
-from ._placements import Partial, Replicate, Shard
-from ._reduce import ReduceError, make_reducer, weight_value
-from ._specs import default_spec, resolve_specs
-from ._split_merge import Inputs, flatten_like, resolve_inputs, split_columns
-from ._tree import is_block_mask, keystr, tree_flatten
+from .._core.annotations import default_in_specs, default_out_specs
+from .._core.checks import check_int, fn_name
+from .._core.placements import Partial, Replicate, Shard
+from .._core.specs import default_spec, resolve_specs
+from .._core.tree import is_block_mask, keystr, tree_flatten
+from .._runtime.debug import debug_enabled
+from .batch_dim import out_specs_of_inputs
+from .reducers import ReduceError, make_reducer, weight_value
+from .split_merge import Inputs, flatten_like, resolve_inputs, split_columns
 
 __all__ = ["pmap_microbatch"]
 

@@ -38,9 +38,9 @@ from typing import Any
 import optree
 import torch
 
-from ._debug import debug_enabled
-from ._placements import Partial, Shard
-from ._tree import NAMESPACE, describe
+from .._core.placements import Partial, Shard
+from .._core.tree import NAMESPACE, describe
+from .._runtime.debug import debug_enabled
 
 __all__ = ["Concat", "ReduceError", "make_reducer", "weight_value"]
 

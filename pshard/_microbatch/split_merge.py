@@ -4,8 +4,8 @@
 (views, sizes differing by at most one, larger chunks first) and hands ``Replicate()`` leaves
 whole to every chunk; a flex-attention ``BlockMask`` is cut along its batch dim with its
 ``mask_mod`` re-indexed. :func:`merge` is its inverse for results: ``Shard(d)`` leaves are
-concatenated, ``Partial`` leaves reduced (by :mod:`pshard._reduce`), ``Replicate()`` leaves taken
-from the first chunk.
+concatenated, ``Partial`` leaves reduced (by :mod:`pshard._microbatch.reducers`),
+``Replicate()`` leaves taken from the first chunk.
 
 Internal interface (used by :func:`pshard.pmap_microbatch`):
 
@@ -36,12 +36,20 @@ import optree
 import torch
 from optree import PyTreeSpec
 
-from ._checks import check_int
-from ._debug import debug_enabled
-from ._placements import Partial, Replicate, Shard
-from ._reduce import ReduceError, make_reducer, weight_value
-from ._specs import broadcast_prefix_flat, check_specs
-from ._tree import NAMESPACE, article, describe, is_block_mask, keystr, leaf_path, tree_flatten
+from .._core.checks import check_int
+from .._core.placements import Partial, Replicate, Shard
+from .._core.specs import broadcast_prefix_flat, check_specs
+from .._core.tree import (
+    NAMESPACE,
+    article,
+    describe,
+    is_block_mask,
+    keystr,
+    leaf_path,
+    tree_flatten,
+)
+from .._runtime.debug import debug_enabled
+from .reducers import ReduceError, make_reducer, weight_value
 
 __all__ = ["merge", "split"]
 

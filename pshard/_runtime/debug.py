@@ -31,7 +31,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from ._checks import WIRE_DTYPES
+from .._core.checks import WIRE_DTYPES
 
 __all__ = ["debug", "debug_enabled", "check_collective", "check_pytree", "sequence_state"]
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ._checks import axis_names
+from .._core.checks import axis_names
 
 __all__ = ["init_mesh", "use_mesh", "current_mesh", "AxisInfo", "resolve_axis"]
 

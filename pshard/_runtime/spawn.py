@@ -79,7 +79,7 @@ def _health() -> tuple[bool, int, Any]:
     """What a caller needs to know to keep reusing a worker: whether the default group still
     exists, how many groups were created and where debug mode's counters stand (ranks must
     agree on both, or later collectives, or checks, mismatch)."""
-    from ._debug import sequence_state
+    from .debug import sequence_state
 
     world = getattr(dist.distributed_c10d, "_world", None)
     return dist.is_initialized(), int(getattr(world, "group_count", 0)), sequence_state()
@@ -126,9 +126,11 @@ def _watch_caller(caller: int, control: Any) -> None:
 # frames of these files mean "waiting in a collective" (a torch.distributed call, or pshard's
 # raw communication); debug mode's checks wait on the store with a timeout and an error of
 # their own, so they are not counted
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
 _COLLECTIVE_FILES = (
     os.path.join("torch", "distributed", "distributed_c10d.py"),
-    os.path.join("pshard", "_comm.py"),
+    os.path.join("pshard", "_runtime", "wire.py"),
 )
 
 
@@ -143,8 +145,7 @@ def _where(thread: int | None) -> tuple[bool, str]:
     first = stack.index(inside[0])
 
     def library(f: traceback.FrameSummary) -> bool:
-        parts = f.filename.split(os.sep)
-        return "torch" in parts or "pshard" in parts[-2:-1]
+        return "torch" in f.filename.split(os.sep) or f.filename.startswith(_PACKAGE_DIR)
 
     caller = next((f for f in reversed(stack[:first]) if not library(f)), inside[0])
     return True, (

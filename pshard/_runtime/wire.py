@@ -1,8 +1,8 @@
 """The raw communication under pshard's collectives: plain tensors in, new tensors out.
 
-No autograd here: the differentiable wrappers in ``_collectives.py`` call these from their
-``forward``. Every function takes contiguous copies only where the backend needs them and moves
-data with one ``torch.distributed`` call (``batch_isend_irecv`` for permutations); tensors are
+No autograd here: the differentiable wrappers in ``pshard._collectives.functions`` call these from
+their ``forward``. Every function takes contiguous copies only where the backend needs them and
+moves data with one ``torch.distributed`` call (``batch_isend_irecv`` for permutations); tensors are
 handed to the backend flattened to one dim, which every backend accepts for every layout.
 
 One transport choice is made here: gloo's all-gathers of CPU tensors of
@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._debug import check_collective, debug_enabled, perm_code
-from ._mesh import Axis, resolve_axis
+from .debug import check_collective, debug_enabled, perm_code
+from .mesh import Axis, resolve_axis
 
 Perm = tuple[tuple[int, int], ...]
 
@@ -38,9 +38,9 @@ class Comm(NamedTuple):
 
     ``rank`` and every index a caller passes (``perm``, ``src``, ``dst``, block positions) are
     indices on the axis; ``order[i]`` is the group rank of index ``i`` when the two differ
-    (:class:`pshard._mesh.AxisInfo`), and the functions below translate. ``key`` names the axis
-    as a string for the compiled collectives (:mod:`pshard._ops`); it is set only while
-    ``torch.compile`` traces, empty otherwise."""
+    (:class:`pshard._runtime.mesh.AxisInfo`), and the functions below translate. ``key`` names
+    the axis as a string for the compiled collectives (:mod:`pshard._collectives.compiled`); it
+    is set only while ``torch.compile`` traces, empty otherwise."""
 
     group: dist.ProcessGroup | None
     size: int

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._checks import WIRE_DTYPES
-from ._comm import Comm, all_gather, all_reduce
-from ._layout import _runs
-from ._placements import Placement
+from .._core.checks import WIRE_DTYPES
+from .._core.layout import _runs
+from .._core.placements import Placement
+from .._runtime.wire import Comm, all_gather, all_reduce
 
 __all__ = [
     "BlockLayout",

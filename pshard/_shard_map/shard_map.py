@@ -1,7 +1,7 @@
 """``shard_map``: run a per-block function on every rank, with values outside the map whole.
 
-The map's boundary ops live in :mod:`pshard._boundary`; this module turns specs into layouts,
-checks them, and wires the boundary around the user's function.
+The map's boundary ops live in :mod:`pshard._shard_map.boundary`; this module turns specs into
+layouts, checks them, and wires the boundary around the user's function.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from typing import Any, TypeVar, overload
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._annotations import check_out_annotation, default_in_specs, default_out_specs
-from ._boundary import BlockLayout, FromBlocks, PartialExtreme, ToBlock
-from ._checks import axis_names as checked_axis_names
-from ._comm import Comm
-from ._debug import debug_enabled
-from ._mesh import current_mesh, resolve_axis, use_mesh
-from ._placements import P, Partial, Placement, Replicate, Shard, StridedShard
-from ._specs import resolve_specs
-from ._tree import describe, keystr, tree_flatten_with_path, tree_unflatten
+from .._core.annotations import check_out_annotation, default_in_specs, default_out_specs
+from .._core.checks import axis_names as checked_axis_names
+from .._core.placements import P, Partial, Placement, Replicate, Shard, StridedShard
+from .._core.specs import resolve_specs
+from .._core.tree import describe, keystr, tree_flatten_with_path, tree_unflatten
+from .._runtime.debug import debug_enabled
+from .._runtime.mesh import current_mesh, resolve_axis, use_mesh
+from .._runtime.wire import Comm
+from .boundary import BlockLayout, FromBlocks, PartialExtreme, ToBlock
 
 __all__ = ["shard_map"]
 

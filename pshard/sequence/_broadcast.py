@@ -26,10 +26,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._checks import WIRE_DTYPES
-from .._comm import gather_into
-from .._mesh import Axis, resolve_axis
-from .._tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
+from .._core.checks import WIRE_DTYPES
+from .._core.tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
+from .._runtime.mesh import Axis, resolve_axis
+from .._runtime.wire import gather_into
 
 __all__ = ["broadcast_batches"]
 

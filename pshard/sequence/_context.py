@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._collectives import _call
-from .._mesh import Axis, use_mesh
-from .._tree import tree_map
+from .._collectives.functions import _call
+from .._core.tree import tree_map
+from .._runtime.mesh import Axis, use_mesh
 from ._layouts import SeqLayout
 
 __all__ = [

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._collectives import _call, _eager, _eager_rules
-from .._comm import Comm
-from .._debug import check_collective
+from .._collectives.functions import _call, _eager, _eager_rules
+from .._runtime.debug import check_collective
+from .._runtime.wire import Comm
 from ._layouts import SeqLayout, along
 
 __all__ = ["tokens_to_heads", "heads_to_tokens"]

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_int, normalize_dim
-from .._collectives import all_to_all
-from .._mesh import Axis, resolve_axis
-from .._tree import describe
+from .._collectives.functions import all_to_all
+from .._core.checks import check_int, normalize_dim
+from .._core.tree import describe
+from .._runtime.mesh import Axis, resolve_axis
 
 __all__ = ["seq_to_heads", "heads_to_seq"]
 

@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._checks import axis_names
-from .._collectives import all_gather
-from .._comm import all_reduce, comm
-from .._mesh import Axis, current_mesh, resolve_axis, use_mesh
-from .._tree import describe, tree_flatten_with_path, tree_unflatten
+from .._collectives.functions import all_gather
+from .._core.checks import axis_names
+from .._core.tree import describe, tree_flatten_with_path, tree_unflatten
+from .._runtime.mesh import Axis, current_mesh, resolve_axis, use_mesh
+from .._runtime.wire import all_reduce, comm
 from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
 from ._layouts import SeqLayout, check_layout, pad_permute
 from ._seq_boundary import SeqBoundary

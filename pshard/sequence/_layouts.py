@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_int
+from .._core.checks import check_int
 
 __all__ = [
     "LAYOUTS",

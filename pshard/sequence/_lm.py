@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_int
-from .._collectives import psum
-from .._mesh import Axis
-from .._tree import describe
+from .._collectives.functions import psum
+from .._core.checks import check_int
+from .._core.tree import describe
+from .._runtime.mesh import Axis
 
 __all__ = ["prepare_lm_batch", "token_mean_loss"]
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._tree import describe
+from .._core.tree import describe
 
 __all__ = [
     "Window",

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._checks import normalize_dim
-from .._tree import describe
+from .._core.checks import normalize_dim
+from .._core.tree import describe
 from ._context import SeqContext, find_context
 from ._layouts import SeqLayout
 from ._masks import Window, check_segment_ids, check_window

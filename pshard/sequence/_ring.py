@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _comm as raw
-from .._collectives import _call
-from .._mesh import Axis
+from .._collectives.functions import _call
+from .._runtime import wire as raw
+from .._runtime.mesh import Axis
 from ._context import context_scope
 from ._kernels import BlockKernel, additive, block_kernel, finite
 from ._layouts import SeqLayout, pad_permute

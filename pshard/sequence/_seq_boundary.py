@@ -6,7 +6,8 @@ whole value on the way in, every rank's tokens gathered and put in sequence orde
   output's cotangent is sliced), ranks counted in the axis's order;
 - :class:`SeqBoundary`: the boundary of the ``sequence_parallel`` hooks, which have no map
   around them, built on the same layout functions (:mod:`pshard.sequence._layouts`), the same
-  gather and the reduce Function of :mod:`pshard._boundary`, with errors that name the caller.
+  gather and the reduce Function of :mod:`pshard._shard_map.boundary`, with errors that name
+  the caller.
 
 Gradient convention of the hooks (one for everything that crosses the boundary): after the
 backward pass each rank holds *its tokens' share* of every gradient, for the parameters and for
@@ -29,11 +30,11 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._boundary import BlockLayout, FromBlocks, exchange_shapes
-from .._comm import Comm, all_gather, gather_parts, pairwise
-from .._debug import debug_enabled
-from .._mesh import resolve_axis
-from .._placements import Shard
+from .._core.placements import Shard
+from .._runtime.debug import debug_enabled
+from .._runtime.mesh import resolve_axis
+from .._runtime.wire import Comm, all_gather, gather_parts, pairwise
+from .._shard_map.boundary import BlockLayout, FromBlocks, exchange_shapes
 from ._layouts import SeqLayout, along, pad_permute, place_blocks, take_blocks
 
 __all__ = ["SeqBoundary", "place_tokens", "take_tokens"]
@@ -116,11 +117,11 @@ DIRECT_PIECE_BYTES = 1 << 19
 def _place_direct(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm) -> torch.Tensor | None:
     """:class:`_PlaceTokens`'s gather with every rank's runs received straight into their
     positions (no gathered buffer, no second copy): pairwise gathers
-    (:func:`pshard._comm.pairwise`) of runs of consecutive positions (contiguous, zigzag), each
-    run of each row before ``dim`` one piece of memory in the block and in the whole, sent as a
+    (:func:`pshard._runtime.wire.pairwise`) of runs of consecutive positions (contiguous, zigzag),
+    each run of each row before ``dim`` one piece of memory in the block and in the whole, sent as a
     message of its own; with a batch before ``dim``, only when every piece has
-    :data:`DIRECT_PIECE_BYTES`. ``None`` elsewhere. Decided from what every rank shares
-    (shapes, dtype, layout), never from strides: the ranks must all take one path."""
+    :data:`DIRECT_PIECE_BYTES`. ``None`` elsewhere. Decided from what every rank shares (shapes,
+    dtype, layout), never from strides: the ranks must all take one path."""
     if not pairwise(y, c.group):
         return None
     runs = [layout.runs(i) for i in range(c.size)]

@@ -28,15 +28,11 @@ from typing import Any, TypeVar, overload
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._annotations import check_out_annotation, default_in_specs, default_out_specs
-from .._checks import axis_names
-from .._comm import Comm
-from .._debug import debug_enabled
-from .._mesh import current_mesh, resolve_axis
-from .._placements import P, Partial, Placement, Replicate, Shard, StridedShard
-from .._shard_map import Local, shard_map
-from .._specs import broadcast_prefix_flat, is_split, resolve_specs
-from .._tree import (
+from .._core.annotations import check_out_annotation, default_in_specs, default_out_specs
+from .._core.checks import axis_names
+from .._core.placements import P, Partial, Placement, Replicate, Shard, StridedShard
+from .._core.specs import broadcast_prefix_flat, is_split, resolve_specs
+from .._core.tree import (
     describe,
     is_block_mask,
     keystr,
@@ -45,6 +41,10 @@ from .._tree import (
     tree_map,
     tree_unflatten,
 )
+from .._runtime.debug import debug_enabled
+from .._runtime.mesh import current_mesh, resolve_axis
+from .._runtime.wire import Comm
+from .._shard_map.shard_map import Local, shard_map
 from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
 from ._layouts import SeqLayout, check_layout, pad_permute, unpermute_unpad
 from ._seq_boundary import place_tokens, take_tokens

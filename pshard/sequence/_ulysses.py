@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import _comm as raw
-from .._mesh import Axis
+from .._runtime import wire as raw
+from .._runtime.mesh import Axis
 from ._context import context_scope
 from ._exchange import heads_to_tokens, tokens_to_heads
 from ._heads import seq_to_heads

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _comm as raw
-from .._mesh import Axis
+from .._runtime import wire as raw
+from .._runtime.mesh import Axis
 from ._context import context_scope, normalize_axis
 from ._heads import heads_to_seq
 from ._qkv import attention_args, repeat_kv, token_layout
