@@ -483,7 +483,7 @@ def _documents(s: int, docs: int) -> torch.Tensor:
 
 
 def _packed_layer(args: argparse.Namespace, n: int, seg: torch.Tensor) -> dict:
-    from pshard import _comm as raw
+    from pshard._runtime import wire as raw
 
     ps.init_mesh({"sp": n})
     g = torch.Generator().manual_seed(0)

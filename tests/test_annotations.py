@@ -24,7 +24,7 @@ from helpers import CausalLMOutputLike
 from torch.func import grad, grad_and_value
 
 import pshard as ps
-from pshard import _annotations
+from pshard._core import annotations as _annotations
 from pshard._core.annotations import default_in_specs, default_out_specs
 from pshard._core.specs import broadcast_prefix
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from helpers import TREES, Batch, CausalLMOutputLike, Derived
 
 import pshard as ps
-from pshard import _batch_dim
 from pshard._core.tree import tree_flatten, tree_map
+from pshard._microbatch import batch_dim as _batch_dim
 from pshard._microbatch.split_merge import resolve_inputs
 
 S0, S1, R, MEAN = ps.Shard(0), ps.Shard(1), ps.Replicate(), ps.Partial("mean")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import func
 
 import pshard as ps
-from pshard import _tree as pshard_tree
+from pshard._core import tree as pshard_tree
 
 # torch.func.jvp scripts its decompositions on first use, which warns on torch 2.13
 pytestmark = pytest.mark.filterwarnings(
@@ -571,7 +571,7 @@ def test_tuple_axes_in_any_order(pool, names) -> None:
 def _pairwise_gather_worker() -> dict:
     from unittest import mock
 
-    from pshard import _comm
+    from pshard._runtime import wire as _comm
 
     ps.init_mesh({"x": 2, "y": 2})
     # blocks of the threshold in bytes per rank, then just below it: pairwise, then native

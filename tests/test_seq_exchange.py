@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pshard as ps
-from pshard import _comm
+from pshard._runtime import wire as _comm
 from pshard.sequence import _seq_boundary
 from pshard.sequence._exchange import heads_to_tokens, tokens_to_heads
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute, unpermute_unpad

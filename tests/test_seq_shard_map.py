@@ -19,8 +19,8 @@ from test_seq_model import (
 )
 
 import pshard as ps
-from pshard import _comm
 from pshard._core.tree import tree_leaves
+from pshard._runtime import wire as _comm
 from pshard.sequence._context import find_context
 from pshard.sequence._layouts import SeqLayout
 
