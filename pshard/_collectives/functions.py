@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .._compat import transforms_active, unwrap_dead
 from .._core.checks import check_int, normalize_dim
 from .._core.tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
 from .._runtime import wire as raw
@@ -53,42 +54,38 @@ __all__ = [
     "broadcast",
     "axis_index",
     "axis_size",
+    "call",
+    "eager",
+    "eager_rules",
 ]
 
 T = TypeVar("T")
 
-try:  # Function.apply without its per-call signature binding (see _call)
-    from torch._C import _are_functorch_transforms_active as _transforms_active
-    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
-except ImportError:  # pragma: no cover - other torch versions: always the plain apply
-    _unwrap_dead = None
-
-
-def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
+def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)``. With no ``torch.func`` transform active, skip ``Function.apply``'s
     binding of default arguments through ``inspect.signature`` (about 20 us a call; every
     argument here is positional, so there is nothing to bind) and do the rest of what it does.
     While dynamo traces, a plain ``apply`` (the graph breaks inside ``torch.func`` transforms,
     see :func:`_collective`)."""
     if torch.compiler.is_compiling():
-        return _eager(fn, *args) if torch._C._are_functorch_transforms_active() else fn.apply(*args)
-    if _unwrap_dead is None or _transforms_active():
+        return eager(fn, *args) if transforms_active() else fn.apply(*args)
+    if transforms_active():
         return fn.apply(*args)
-    return super(torch.autograd.Function, fn).apply(*_unwrap_dead(args))
+    return super(torch.autograd.Function, fn).apply(*unwrap_dead(args))
 
 
 # --- autograd / torch.func rules ------------------------------------------------------------------
 #
-# Every rule below calls a Function (through `_call`), never a raw collective, so that it can
+# Every rule below calls a Function (through `call`), never a raw collective, so that it can
 # itself be differentiated, batched or pushed forward by an outer transform.
 
 
-def _eager_rules(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+def eager_rules(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
     """Keep dynamo out of ``cls``'s rules. They run eagerly by design (a compiled region uses
     the ops of ``compiled.py``), yet the autograd engine and ``torch.func`` call them from inside
     a compiled function's eager parts, where dynamo would compile each frame again per shape."""
     for name in ("forward", "backward", "jvp", "vmap"):
-        setattr(cls, name, staticmethod(torch._dynamo.disable(getattr(cls, name), recursive=True)))
+        setattr(cls, name, staticmethod(torch.compiler.disable(getattr(cls, name), recursive=True)))
     return cls
 
 
@@ -104,7 +101,7 @@ def _out_dim(bdim: int | None) -> int | None:
     return None if bdim is None else 0
 
 
-@_eager_rules
+@eager_rules
 class _PSum(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm) -> torch.Tensor:
@@ -116,18 +113,18 @@ class _PSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _call(_PSum, g, ctx.c), None
+        return call(_PSum, g, ctx.c), None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _call(_PSum, t, ctx.c)
+        return call(_PSum, t, ctx.c)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm) -> Any:
-        return _call(_PSum, _front(x, in_dims[0]), c), _out_dim(in_dims[0])
+        return call(_PSum, _front(x, in_dims[0]), c), _out_dim(in_dims[0])
 
 
-@_eager_rules
+@eager_rules
 class _PExtreme(torch.autograd.Function):
     """pmax (op="pmax") or pmin (op="pmin")."""
 
@@ -146,7 +143,7 @@ class _PExtreme(torch.autograd.Function):
         # d/dx_r sum_s <g_s, out> = (sum_s g_s) * holds_r / (number of holders)
         x, out = ctx.saved_tensors
         holds = (x == out).to(g.dtype)
-        both = _call(_PSum, torch.stack([g, holds]), ctx.c)
+        both = call(_PSum, torch.stack([g, holds]), ctx.c)
         return both[0] * holds / both[1], None, None
 
     @staticmethod
@@ -154,15 +151,15 @@ class _PExtreme(torch.autograd.Function):
         # the mean of the holders' tangents
         x, out = ctx.saved_tensors
         holds = (x == out).to(t.dtype)
-        both = _call(_PSum, torch.stack([t * holds, holds]), ctx.c)
+        both = call(_PSum, torch.stack([t * holds, holds]), ctx.c)
         return both[0] / both[1]
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, op: str) -> Any:
-        return _call(_PExtreme, _front(x, in_dims[0]), c, op), _out_dim(in_dims[0])
+        return call(_PExtreme, _front(x, in_dims[0]), c, op), _out_dim(in_dims[0])
 
 
-@_eager_rules
+@eager_rules
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
@@ -174,21 +171,21 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _call(_PSumScatter, g, ctx.c, ctx.dim, ctx.tiled), None, None, None
+        return call(_PSumScatter, g, ctx.c, ctx.dim, ctx.tiled), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _call(_AllGather, t, ctx.c, ctx.dim, ctx.tiled)
+        return call(_AllGather, t, ctx.c, ctx.dim, ctx.tiled)
 
     @staticmethod
     def vmap(
         info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dim: int, tiled: bool
     ) -> Any:
         (dim,) = _shift(in_dims[0], dim)
-        return _call(_AllGather, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
+        return call(_AllGather, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
 
 
-@_eager_rules
+@eager_rules
 class _PSumScatter(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
@@ -200,21 +197,21 @@ class _PSumScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _call(_AllGather, g, ctx.c, ctx.dim, ctx.tiled), None, None, None
+        return call(_AllGather, g, ctx.c, ctx.dim, ctx.tiled), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _call(_PSumScatter, t, ctx.c, ctx.dim, ctx.tiled)
+        return call(_PSumScatter, t, ctx.c, ctx.dim, ctx.tiled)
 
     @staticmethod
     def vmap(
         info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dim: int, tiled: bool
     ) -> Any:
         (dim,) = _shift(in_dims[0], dim)
-        return _call(_PSumScatter, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
+        return call(_PSumScatter, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
 
 
-@_eager_rules
+@eager_rules
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -226,11 +223,11 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _call(_AllToAll, g, ctx.c, ctx.concat_dim, ctx.split_dim), None, None, None
+        return call(_AllToAll, g, ctx.c, ctx.concat_dim, ctx.split_dim), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _call(_AllToAll, t, ctx.c, ctx.split_dim, ctx.concat_dim)
+        return call(_AllToAll, t, ctx.c, ctx.split_dim, ctx.concat_dim)
 
     @staticmethod
     def vmap(
@@ -242,11 +239,11 @@ class _AllToAll(torch.autograd.Function):
         concat_dim: int,
     ) -> Any:
         split_dim, concat_dim = _shift(in_dims[0], split_dim, concat_dim)
-        out = _call(_AllToAll, _front(x, in_dims[0]), c, split_dim, concat_dim)
+        out = call(_AllToAll, _front(x, in_dims[0]), c, split_dim, concat_dim)
         return out, _out_dim(in_dims[0])
 
 
-@_eager_rules
+@eager_rules
 class _PPermute(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, perm: Perm) -> torch.Tensor:
@@ -259,18 +256,18 @@ class _PPermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         inverse = tuple((dst, src) for src, dst in ctx.perm)
-        return _call(_PPermute, g, ctx.c, inverse), None, None
+        return call(_PPermute, g, ctx.c, inverse), None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _call(_PPermute, t, ctx.c, ctx.perm)
+        return call(_PPermute, t, ctx.c, ctx.perm)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, perm: Perm) -> Any:
-        return _call(_PPermute, _front(x, in_dims[0]), c, perm), _out_dim(in_dims[0])
+        return call(_PPermute, _front(x, in_dims[0]), c, perm), _out_dim(in_dims[0])
 
 
-@_eager_rules
+@eager_rules
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, c: _Comm, src: int) -> torch.Tensor:
@@ -282,18 +279,18 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _call(_Reduce, g, ctx.c, ctx.src), None, None
+        return call(_Reduce, g, ctx.c, ctx.src), None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _call(_Broadcast, t, ctx.c, ctx.src)
+        return call(_Broadcast, t, ctx.c, ctx.src)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, src: int) -> Any:
-        return _call(_Broadcast, _front(x, in_dims[0]), c, src), _out_dim(in_dims[0])
+        return call(_Broadcast, _front(x, in_dims[0]), c, src), _out_dim(in_dims[0])
 
 
-@_eager_rules
+@eager_rules
 class _Reduce(torch.autograd.Function):
     """Sum to rank ``dst`` (zeros elsewhere): the transpose of broadcast."""
 
@@ -307,15 +304,15 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _call(_Broadcast, g, ctx.c, ctx.dst), None, None
+        return call(_Broadcast, g, ctx.c, ctx.dst), None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return _call(_Reduce, t, ctx.c, ctx.dst)
+        return call(_Reduce, t, ctx.c, ctx.dst)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dst: int) -> Any:
-        return _call(_Reduce, _front(x, in_dims[0]), c, dst), _out_dim(in_dims[0])
+        return call(_Reduce, _front(x, in_dims[0]), c, dst), _out_dim(in_dims[0])
 
 
 # --- under torch.compile -------------------------------------------------------------------------
@@ -341,14 +338,14 @@ def _collective(name: str, x: torch.Tensor, c: _Comm, *rest: Any) -> torch.Tenso
     the graph) while dynamo traces."""
     fn, op, extra = _COLLECTIVES[name]
     if not torch.compiler.is_compiling():
-        return _call(fn, x, c, *rest)
-    if torch._C._are_functorch_transforms_active():
-        return _eager(fn, x, c, *rest)
+        return call(fn, x, c, *rest)
+    if transforms_active():
+        return eager(fn, x, c, *rest)
     return op(x, c.key, c.size, c.rank, *extra(*rest))
 
 
-@torch._dynamo.disable(recursive=True)
-def _eager(fn: type[torch.autograd.Function], *args: Any) -> Any:
+@torch.compiler.disable(recursive=True)
+def eager(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)`` outside the graph (a graph break), rules and all."""
     return fn.apply(*args)
 

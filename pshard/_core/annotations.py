@@ -65,7 +65,7 @@ import torch
 
 from .checks import fn_name
 from .placements import P, Placement, Replicate, from_torch_placement
-from .specs import _is_torch_placement, rebuild_spec_tree
+from .specs import is_torch_placement, rebuild_spec_tree
 from .tree import describe, tree_flatten, tree_leaves
 
 __all__ = ["check_out_annotation", "default_in_specs", "default_out_specs", "specs_of"]
@@ -110,7 +110,7 @@ def _spec_of_type(tp: Any, owner: str, *, dataclass_types: bool = False) -> Any:
     if origin is Annotated:
         found = []
         for item in tp.__metadata__:
-            if _is_torch_placement(item):
+            if is_torch_placement(item):
                 item = from_torch_placement(item)
             if isinstance(item, _SPEC_TYPES):
                 found.append(item)

@@ -38,6 +38,7 @@ __all__ = [
     "local_stride",
     "shard_tensor",
     "unshard_tensor",
+    "index_runs",
 ]
 
 _Runs = tuple[range, ...]
@@ -193,7 +194,7 @@ def _take(runs: _Runs, spans: list[tuple[int, int]]) -> _Runs:
     return tuple(out)
 
 
-def _runs(
+def index_runs(
     shape: tuple[int, ...],
     mesh_shape: tuple[int, ...],
     coord: tuple[int, ...],
@@ -246,7 +247,7 @@ def local_shape_and_offset(
     mesh = _mesh(fn, mesh_shape)
     coord = _coordinate(fn, coordinate, mesh)
     pl = _placements(fn, placements, mesh, len(shape), f"global_shape {shape}")
-    runs = _runs(shape, mesh, coord, pl)
+    runs = index_runs(shape, mesh, coord, pl)
     local = tuple(sum(map(len, r)) for r in runs)
     offset = tuple(r[0].start if r else n for r, n in zip(runs, shape, strict=True))
     return local, offset
@@ -287,7 +288,7 @@ def local_indices(
     mesh = _mesh(fn, mesh_shape)
     coord = _coordinate(fn, coordinate, mesh)
     pl = _placements(fn, placements, mesh, len(shape), f"global_shape {shape}")
-    return _runs(shape, mesh, coord, pl)
+    return index_runs(shape, mesh, coord, pl)
 
 
 def explicit_order(
@@ -490,7 +491,7 @@ def shard_tensor(
     pl = _placements(fn, placements, mesh, len(shape), f"tensor shape {shape}")
     _partials(fn, pl)
     out = tensor
-    for dim, runs in enumerate(_runs(shape, mesh, coord, pl)):
+    for dim, runs in enumerate(index_runs(shape, mesh, coord, pl)):
         if len(runs) == 1:
             out = out.narrow(dim, runs[0].start, len(runs[0]))
         elif not runs:
@@ -569,7 +570,7 @@ def unshard_tensor(
             for m, s in zip(partial_dims, sub, strict=True):
                 c[m] = s
             group.append((tuple(c), keys[tuple(c)]))
-        runs = _runs(shape, mesh, coord, pl)
+        runs = index_runs(shape, mesh, coord, pl)
         local = tuple(sum(map(len, r)) for r in runs)
         for c, block in group:
             if not isinstance(block, torch.Tensor):

@@ -62,6 +62,7 @@ __all__ = [
     "broadcast_prefix_flat",
     "check_specs",
     "is_split",
+    "is_torch_placement",
     "resolve_specs",
 ]
 
@@ -262,9 +263,9 @@ def broadcast_prefix_flat(
         ['a', None, None]
     """
     spec_leaves, spec_td = tree_flatten(prefix, none_is_leaf=True)
-    if any(_is_torch_placement(leaf) for leaf in spec_leaves):  # DTensor's: converted
+    if any(is_torch_placement(leaf) for leaf in spec_leaves):  # DTensor's: converted
         spec_leaves = [
-            from_torch_placement(leaf) if _is_torch_placement(leaf) else leaf
+            from_torch_placement(leaf) if is_torch_placement(leaf) else leaf
             for leaf in spec_leaves
         ]
     if spec_td.kind == PyTreeKind.LEAF:
@@ -314,7 +315,7 @@ _SHARD0 = Shard(0)
 _REPLICATE = Replicate()
 
 
-def _is_torch_placement(x: Any) -> bool:
+def is_torch_placement(x: Any) -> bool:
     """A ``torch.distributed.tensor`` placement (``Shard(0)`` from DTensor)."""
     module = type(x).__module__
     return module.startswith("torch.distributed.tensor") and hasattr(x, "is_shard")

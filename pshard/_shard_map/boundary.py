@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.checks import WIRE_DTYPES
-from .._core.layout import _runs
+from .._core.layout import index_runs
 from .._core.placements import Placement
 from .._runtime.wire import Comm, all_gather, all_reduce
 
@@ -123,7 +123,7 @@ def _plan(
     coords = list(itertools.product(*map(range, msizes)))  # gather rank order (mesh order)
 
     def runs(mcoord: tuple[int, ...]) -> tuple[tuple[range, ...], ...]:
-        return _runs(global_shape, sizes, tuple(mcoord[j] for j in perm), shards)
+        return index_runs(global_shape, sizes, tuple(mcoord[j] for j in perm), shards)
 
     local = tuple(tuple(sum(map(len, r)) for r in runs(c)) for c in coords)
     pad = tuple(max(shape[d] for shape in local) for d in range(len(global_shape)))
@@ -180,7 +180,7 @@ def _take(x: torch.Tensor, dim: int, pieces: tuple[range, ...]) -> torch.Tensor:
 def _slice(x: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
     """This rank's block of the whole value ``x`` (a new tensor, never a view of ``x``)."""
     out = x
-    for d, runs in enumerate(_runs(tuple(x.shape), lay.sizes, lay.coord, lay.shards)):
+    for d, runs in enumerate(index_runs(tuple(x.shape), lay.sizes, lay.coord, lay.shards)):
         if len(runs) == 1 and len(runs[0]) == x.shape[d]:
             continue
         out = _take(out, d, runs)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._collectives.functions import _call
+from .._collectives.functions import call
 from .._core.tree import tree_map
 from .._runtime.mesh import Axis, use_mesh
 from ._layouts import SeqLayout
@@ -163,7 +163,7 @@ class _Record(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, ctx: SeqContext) -> Any:
-        return _call(_Record, x, ctx), in_dims[0]
+        return call(_Record, x, ctx), in_dims[0]
 
 
 def record_for_backward(tree: Any, ctx: SeqContext) -> Any:
@@ -171,7 +171,7 @@ def record_for_backward(tree: Any, ctx: SeqContext) -> Any:
     ``ctx`` findable (by :func:`find_context`) for the rest of that backward pass."""
     return tree_map(
         lambda x: (
-            _call(_Record, x, ctx)
+            call(_Record, x, ctx)
             if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
             else x
         ),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._collectives.functions import _call, _eager, _eager_rules
+from .._collectives.functions import call, eager, eager_rules
 from .._runtime.debug import check_collective
 from .._runtime.wire import Comm
 from ._layouts import SeqLayout, along
@@ -158,7 +158,7 @@ def _tangents(ctx: Any, ts: tuple, shapes: list[Shape]) -> list[torch.Tensor]:
     ]
 
 
-@_eager_rules
+@eager_rules
 class _ToHeads(torch.autograd.Function):
     @staticmethod
     def forward(layout: SeqLayout, c: Comm, sd: int, hd: int, *ts: torch.Tensor) -> Any:
@@ -172,19 +172,19 @@ class _ToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        return (None,) * 4 + tuple(_call(_ToTokens, *ctx.args, *gs))
+        return (None,) * 4 + tuple(call(_ToTokens, *ctx.args, *gs))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> Any:
-        return _call(_ToHeads, *ctx.args, *_tangents(ctx, ts[4:], ctx.shapes))
+        return call(_ToHeads, *ctx.args, *_tangents(ctx, ts[4:], ctx.shapes))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, layout: SeqLayout, c: Comm, sd: int, hd: int, *ts) -> Any:
         xs = _batched(ts, in_dims[4:], info.batch_size)
-        return _call(_ToHeads, layout, c, sd + 1, hd + 1, *xs), (0,) * len(ts)
+        return call(_ToHeads, layout, c, sd + 1, hd + 1, *xs), (0,) * len(ts)
 
 
-@_eager_rules
+@eager_rules
 class _ToTokens(torch.autograd.Function):
     @staticmethod
     def forward(layout: SeqLayout, c: Comm, sd: int, hd: int, *hs: torch.Tensor) -> Any:
@@ -198,22 +198,22 @@ class _ToTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:
-        return (None,) * 4 + tuple(_call(_ToHeads, *ctx.args, *gs))
+        return (None,) * 4 + tuple(call(_ToHeads, *ctx.args, *gs))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> Any:
-        return _call(_ToTokens, *ctx.args, *_tangents(ctx, ts[4:], ctx.shapes))
+        return call(_ToTokens, *ctx.args, *_tangents(ctx, ts[4:], ctx.shapes))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, layout: SeqLayout, c: Comm, sd: int, hd: int, *hs) -> Any:
         xs = _batched(hs, in_dims[4:], info.batch_size)
-        return _call(_ToTokens, layout, c, sd + 1, hd + 1, *xs), (0,) * len(hs)
+        return call(_ToTokens, layout, c, sd + 1, hd + 1, *xs), (0,) * len(hs)
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> tuple[torch.Tensor, ...]:
     if torch.compiler.is_compiling():  # runs outside the graph, rules and all
-        return _eager(fn, *args)
-    return _call(fn, *args)
+        return eager(fn, *args)
+    return call(fn, *args)
 
 
 def tokens_to_heads(

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._collectives.functions import _call
+from .._collectives.functions import call
 from .._runtime import wire as raw
 from .._runtime.mesh import Axis
 from ._context import context_scope
@@ -682,7 +682,7 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
         q, k, v, out, lse, mine, every = ctx.saved_tensors
-        dq, dk, dv = _call(_RingGrad, q, k, v, out, lse, dout, mine, every, ctx.c, ctx.spec)
+        dq, dk, dv = call(_RingGrad, q, k, v, out, lse, dout, mine, every, ctx.c, ctx.spec)
         return dq, dk, dv, None, None, None, None
 
     @staticmethod
@@ -860,5 +860,5 @@ def ring_core(
         every = raw.all_gather(mine, c, mine.dim() - 1, True) if c.size > 1 else mine
     qt = q.movedim((hd, sd), (-3, -2)).unflatten(-3, (hkv, hq // hkv))
     kt, vt = (t.movedim((hd, sd), (-3, -2)) for t in (k, v))
-    out, _ = _call(_Ring, qt, kt, vt, mine, every, c, spec)
+    out, _ = call(_Ring, qt, kt, vt, mine, every, c, spec)
     return out.flatten(-4, -3).movedim((-3, -2), (hd, sd))
