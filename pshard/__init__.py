@@ -12,6 +12,8 @@ from ._collectives.functions import ppermute as ppermute
 from ._collectives.functions import psum as psum
 from ._collectives.functions import psum_scatter as psum_scatter
 from ._core.annotations import specs_of as specs_of
+from ._core.caches import clear_caches as clear_caches
+from ._core.version import version as __version__
 from ._core.layout import explicit_order as explicit_order
 from ._core.layout import global_shape_and_stride as global_shape_and_stride
 from ._core.layout import local_indices as local_indices
@@ -53,7 +55,6 @@ from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
 from .sequence._ulysses import ulysses_attention as ulysses_attention
 from .sequence._usp import usp_attention as usp_attention
 
-__version__ = "0.1.0"
 
 __all__ = [
     "all_gather",
@@ -62,6 +63,7 @@ __all__ = [
     "axis_size",
     "broadcast",
     "broadcast_batches",
+    "clear_caches",
     "current_mesh",
     "debug",
     "debug_enabled",
