@@ -23,8 +23,8 @@ from helpers import (
 )
 
 import pshard as ps
+from pshard._core import specs as specs_module
 from pshard._core.specs import (
-    _match_cached,
     broadcast_prefix,
     broadcast_prefix_flat,
     check_specs,
@@ -130,14 +130,14 @@ def test_match_is_cached_per_structure() -> None:
     tree = {"x": tensor(2), "y": [tensor(1), tensor(3)]}
     specs = {"x": ps.Shard(0), "y": [None, ps.Shard(1)]}
     broadcast_prefix(specs, tree)
-    hits = _match_cached.cache_info().hits
+    hits = specs_module._match_cached.cache_info().hits
     other = {"x": tensor(5), "y": [tensor(1), tensor(7)]}
     assert broadcast_prefix({"x": ps.Shard(1), "y": [None, None]}, other) == [
         ps.Shard(1),
         None,
         None,
     ]
-    assert _match_cached.cache_info().hits == hits + 1
+    assert specs_module._match_cached.cache_info().hits == hits + 1
 
 
 # --------------------------------------------------------------------------- prefix errors

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["WIRE_DTYPES", "axis_names", "check_int", "fn_name", "normalize_dim"]
+
 # The dtypes pshard's wire formats (debug fingerprints, batch descriptors, shape checks) encode
 # by their index here: one table, so every rank and every format agrees. Append only.
 WIRE_DTYPES = (

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .checks import check_int
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement as TorchPlacement
 
 __all__ = [
     "Placement",
@@ -156,6 +159,7 @@ class P:
     """
 
     __slots__ = ("_entries",)
+    _entries: tuple[str | tuple[str, ...] | None, ...]
 
     def __init__(self, *entries: str | tuple[str, ...] | None) -> None:
         normalised: list[str | tuple[str, ...] | None] = []
@@ -214,7 +218,7 @@ class P:
         return (P, self._entries)
 
 
-def to_torch_placement(p: Placement) -> Any:
+def to_torch_placement(p: Placement) -> TorchPlacement:
     """Convert a pshard placement to the ``torch.distributed.tensor`` placement.
 
     ``Partial("mean")`` becomes torch's ``Partial("avg")``; ``StridedShard`` becomes
@@ -241,7 +245,7 @@ def to_torch_placement(p: Placement) -> Any:
     )
 
 
-def from_torch_placement(p: Any) -> Placement:
+def from_torch_placement(p: object) -> Placement:
     """Convert a ``torch.distributed.tensor`` placement to pshard's.
 
     Example:
@@ -254,7 +258,7 @@ def from_torch_placement(p: Any) -> Placement:
 
     # _StridedShard subclasses Shard in some torch versions: test it first.
     if isinstance(p, pt._StridedShard):
-        return StridedShard(p.dim, split_factor=p.split_factor)
+        return StridedShard(p.dim, split_factor=int(p.split_factor))
     if isinstance(p, pt.Shard):
         return Shard(p.dim)
     if isinstance(p, pt.Replicate):

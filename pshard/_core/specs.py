@@ -27,24 +27,28 @@ Internal interface (used by the transforms):
   batch dim; never on a scalar or on an object pshard cannot look into. Negative dims are kept
   as given (normalise with ``dim % ndim``).
 - ``is_split(spec) -> bool``: whether a (resolved) spec splits its value.
+- ``is_torch_placement(x) -> bool``: whether ``x`` is a ``torch.distributed.tensor`` placement.
+- ``default_spec(leaf) -> Placement``: ``pmap_microbatch``'s default spec of one leaf.
+- ``rebuild_spec_tree(treedef, specs, *, keyed_as_dict) -> spec tree``: a spec tree of the
+  structure ``treedef`` from an iterator of specs (what annotations and batch-dim analysis build).
 
-The structure matching is cached per pair of tree structures (``functools.lru_cache`` on a pure
-function of two ``PyTreeSpec``), so repeated calls on same-shaped trees cost one flatten of the
-spec tree and one list comprehension.
+The structure matching is cached per pair of tree structures (the cache ``"spec matching"`` of
+:mod:`pshard._core.caches`, a pure function of two ``PyTreeSpec``), so repeated calls on
+same-shaped trees cost one flatten of the spec tree and one list comprehension.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import optree
 import torch
 from optree import PyTreeKind, PyTreeSpec
 
+from .caches import cached
 from .placements import P, Placement, Replicate, Shard, StridedShard, from_torch_placement
 from .tree import (
     NAMESPACE,
@@ -61,8 +65,10 @@ __all__ = [
     "broadcast_prefix",
     "broadcast_prefix_flat",
     "check_specs",
+    "default_spec",
     "is_split",
     "is_torch_placement",
+    "rebuild_spec_tree",
     "resolve_specs",
 ]
 
@@ -87,15 +93,17 @@ class _Mismatch(Exception):
 # --------------------------------------------------------------------------- structure matching
 
 
-def _keys(td: PyTreeSpec) -> tuple | None:
+def _keys(td: PyTreeSpec) -> tuple[Any, ...] | None:
     """The keys of a keyed node (dict-like, Mapping, dataclass, namedtuple); None otherwise."""
-    kind = td.kind
+    kind, cls = td.kind, td.type
+    if cls is None:  # a leaf
+        return None
     if kind in _DICTS:
         return tuple(td.entries())
     if kind == PyTreeKind.NAMEDTUPLE:
-        return tuple(td.type._fields)
+        return tuple(getattr(cls, "_fields", ()))
     if kind == PyTreeKind.CUSTOM:
-        entry = optree.register_pytree_node.get(td.type, namespace=NAMESPACE)
+        entry = optree.register_pytree_node.get(cls, namespace=NAMESPACE)
         if entry is not None and issubclass(
             entry.path_entry_type, (optree.MappingEntry, optree.GetAttrEntry)
         ):
@@ -129,7 +137,21 @@ def _pairing(spec: PyTreeSpec, value: PyTreeSpec) -> list[int] | None:
     return None
 
 
-def _walk(spec: PyTreeSpec, value: PyTreeSpec, offset: int, out: list[int], path: list) -> None:
+def _node(td: PyTreeSpec) -> PyTreeSpec:
+    """The top node of ``td`` alone (``one_level``); ``td`` is not a leaf."""
+    node = td.one_level()
+    if node is None:  # pragma: no cover - callers never pass a leaf
+        raise TypeError(f"pshard: {td} is a leaf, not a node")
+    return node
+
+
+def _walk(
+    spec: PyTreeSpec,
+    value: PyTreeSpec,
+    offset: int,
+    out: list[int],
+    path: list[tuple[int, int]],
+) -> None:
     if spec.kind == PyTreeKind.LEAF:
         out.extend([offset] * value.num_leaves)
         return
@@ -152,7 +174,7 @@ def _match_uncached(spec: PyTreeSpec, value: PyTreeSpec) -> tuple[int, ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=256)
+@cached("spec matching", maxsize=256)
 def _match_cached(spec: PyTreeSpec, value: PyTreeSpec) -> tuple[int, ...]:
     return _match_uncached(spec, value)
 
@@ -199,7 +221,7 @@ def _prefix_error(
     entries = []
     offset = 0
     for si, vi in path:
-        entries.append(spec.one_level().accessors()[si][0])
+        entries.append(_node(spec).accessors()[si][0])
         offset += sum(child.num_leaves for child in value.children()[:vi])
         spec, value = spec.child(si), value.child(vi)
     where = f"{fn_name} " if fn_name else ""
@@ -265,8 +287,7 @@ def broadcast_prefix_flat(
     spec_leaves, spec_td = tree_flatten(prefix, none_is_leaf=True)
     if any(is_torch_placement(leaf) for leaf in spec_leaves):  # DTensor's: converted
         spec_leaves = [
-            from_torch_placement(leaf) if is_torch_placement(leaf) else leaf
-            for leaf in spec_leaves
+            from_torch_placement(leaf) if is_torch_placement(leaf) else leaf for leaf in spec_leaves
         ]
     if spec_td.kind == PyTreeKind.LEAF:
         return spec_leaves * treedef.num_leaves
@@ -289,7 +310,7 @@ def default_spec(leaf: Any) -> Placement:
     return _SHARD0 if is_block_mask(leaf) else _REPLICATE
 
 
-def rebuild_spec_tree(treedef: PyTreeSpec, specs: Any, *, keyed_as_dict: bool) -> Any:
+def rebuild_spec_tree(treedef: PyTreeSpec, specs: Iterator[Any], *, keyed_as_dict: bool) -> Any:
     """A spec tree with the structure ``treedef`` and the leaves of the iterator ``specs``.
 
     Containers are rebuilt as their own types, except keyed nodes pshard registers (Mappings,
@@ -306,7 +327,7 @@ def rebuild_spec_tree(treedef: PyTreeSpec, specs: Any, *, keyed_as_dict: bool) -
     if keys is not None and keyed_as_dict:
         return dict(zip(keys, children, strict=True))
     try:
-        return treedef.one_level().unflatten(children)
+        return _node(treedef).unflatten(children)
     except Exception:  # a constructor choked on a placement
         return dict(zip(keys, children, strict=True)) if keys is not None else tuple(children)
 
@@ -371,7 +392,7 @@ def _fits(leaf: Any, spec: Placement | P) -> bool:
         ndim = leaf.ndim
         if isinstance(spec, P):
             return len(spec) <= ndim
-        return -ndim <= spec.dim < ndim
+        return isinstance(spec, (Shard, StridedShard)) and -ndim <= spec.dim < ndim
     return isinstance(spec, P) and not spec.axes  # a P that splits nothing fits any leaf
 
 
@@ -387,6 +408,8 @@ def _leaf_error(leaf: Any, spec: Placement | P) -> str | None:
                     f"{has}; give at most one entry per tensor dim"
                 )
             return None
+        if not isinstance(spec, (Shard, StridedShard)):
+            return None  # splits nothing
         if ndim == 0:
             return (
                 f"{spec!r} but {has}; a 0-dim tensor cannot be split: give it Replicate() or None"
@@ -401,10 +424,10 @@ def _leaf_error(leaf: Any, spec: Placement | P) -> str | None:
         else:
             ok = type(spec) is Shard and spec.dim in (0, -4)
         if not ok:
-            fix = "P(axis)" if isinstance(spec, P) else "Shard(0)"
+            use = "P(axis)" if isinstance(spec, P) else "Shard(0)"
             return (
                 f"{spec!r} but the value is {describe(leaf)}, which can only be split along "
-                f"its batch dim 0; use {fix}"
+                f"its batch dim 0; use {use}"
             )
         return None
     if is_opaque(leaf):
