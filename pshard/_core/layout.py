@@ -3,15 +3,10 @@
 Pure integer arithmetic over ``mesh_shape`` (a tuple of ints), ``coordinate`` (one index per mesh
 dim) and ``placements`` (one placement per mesh dim, DTensor's convention); no process group.
 
-The rules are DTensor's (torch 2.13):
-
-- placements are applied left to right, mesh dim 0 first, each acting on what the previous ones
-  left of a tensor dim;
-- ``Shard(d)`` splits like ``torch.chunk``: chunks of ``ceil(n / size)`` elements, so trailing
-  chunks may be short or empty;
-- ``StridedShard(d, split_factor=k)`` first cuts the dim into ``k`` pieces (``torch.chunk``), cuts
-  each piece into ``size`` chunks, and gives chunk ``i`` of every piece to coordinate ``i``;
-- ``Replicate()`` and ``Partial()`` leave every dim whole.
+The rules are DTensor's (torch 2.13), written once in :mod:`pshard._core.layout_rules` with the
+checks of these arguments: ``Shard(d)`` splits like ``torch.chunk`` (trailing chunks may be short
+or empty), ``StridedShard(d, split_factor=k)`` cuts each of ``k`` pieces in turn, placements act
+left to right, mesh dim 0 first.
 
 Negative dims count from the end of the tensor and are normalised before anything else, so
 ``Shard(-1)`` and ``Shard(ndim - 1)`` are the same placement. Every coordinate holds its
@@ -22,13 +17,21 @@ it holds on each dim (:func:`local_indices`).
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 
-from .placements import P, Partial, Placement, Shard, StridedShard
+from .layout_rules import (
+    Runs,
+    check_coordinate,
+    check_ints,
+    check_mesh_shape,
+    check_partials,
+    check_placements,
+    index_runs,
+)
+from .placements import Partial, Placement, Shard, StridedShard
 
 __all__ = [
     "local_shape_and_offset",
@@ -38,174 +41,8 @@ __all__ = [
     "local_stride",
     "shard_tensor",
     "unshard_tensor",
-    "index_runs",
+    "index_runs",  # re-exported from layout_rules until the shard_map boundary imports it there
 ]
-
-_Runs = tuple[range, ...]
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _ints(fn: str, name: str, value: Any, *, minimum: int | None) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"{fn}: {name} must be a sequence of ints, got {value!r}")
-    out = []
-    for i, v in enumerate(value):
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            v = operator.index(v)
-        except TypeError:
-            raise TypeError(
-                f"{fn}: {name}[{i}] must be an int, got {v!r} ({type(v).__name__})"
-            ) from None
-        if minimum is not None and v < minimum:
-            raise ValueError(f"{fn}: {name}[{i}] must be >= {minimum}, got {v} ({name} {value!r})")
-        out.append(v)
-    return tuple(out)
-
-
-def _mesh(fn: str, mesh_shape: Any) -> tuple[int, ...]:
-    return _ints(fn, "mesh_shape", mesh_shape, minimum=1)
-
-
-def _coordinate(fn: str, coordinate: Any, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-    coord = _ints(fn, "coordinate", coordinate, minimum=None)
-    if len(coord) != len(mesh_shape):
-        raise ValueError(
-            f"{fn}: coordinate {coord} has {len(coord)} entries but mesh_shape {mesh_shape} "
-            f"has {len(mesh_shape)} dims; give one index per mesh dim"
-        )
-    for i, (c, n) in enumerate(zip(coord, mesh_shape, strict=True)):
-        if not 0 <= c < n:
-            raise ValueError(
-                f"{fn}: coordinate {coord} is outside mesh_shape {mesh_shape}: "
-                f"coordinate[{i}] = {c} must be in [0, {n})"
-            )
-    return coord
-
-
-def _placements(
-    fn: str, placements: Any, mesh_shape: tuple[int, ...], ndim: int | None, what: str = ""
-) -> tuple[Placement, ...]:
-    """Check ``placements`` (one per mesh dim); with ``ndim``, normalise and range-check dims."""
-    if isinstance(placements, P):
-        raise TypeError(
-            f"{fn}: placements is {placements!r}, a PartitionSpec (one entry per tensor dim); "
-            f"this function takes one placement per mesh dim, e.g. (Shard(0), Replicate())"
-        )
-    if isinstance(placements, Placement):
-        raise TypeError(
-            f"{fn}: placements must be a sequence with one placement per mesh dim, got the "
-            f"single placement {placements!r}; wrap it: ({placements!r},)"
-        )
-    if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
-        raise TypeError(
-            f"{fn}: placements must be a sequence with one placement per mesh dim, "
-            f"got {placements!r} ({type(placements).__name__})"
-        )
-    out: list[Placement] = []
-    for i, p in enumerate(placements):
-        if not isinstance(p, Placement):
-            hint = (
-                "; convert torch placements with ps.from_torch_placement"
-                if type(p).__module__.startswith("torch")
-                else ""
-            )
-            raise TypeError(
-                f"{fn}: placements[{i}] must be Shard, StridedShard, Replicate or Partial, "
-                f"got {p!r} ({type(p).__name__}){hint}"
-            )
-        if ndim is not None and isinstance(p, (Shard, StridedShard)):
-            if not -ndim <= p.dim < ndim:
-                if ndim == 0:
-                    fix = "a 0-d tensor can only be Replicate() or Partial()"
-                else:
-                    fix = f"use a dim in [{-ndim}, {ndim - 1}]"
-                raise ValueError(
-                    f"{fn}: placements[{i}] = {p!r} but the tensor has {ndim} dims ({what}); {fix}"
-                )
-            if p.dim < 0:
-                p = (
-                    StridedShard(p.dim + ndim, p.split_factor)
-                    if isinstance(p, StridedShard)
-                    else Shard(p.dim + ndim)
-                )
-        out.append(p)
-    if len(out) != len(mesh_shape):
-        raise ValueError(
-            f"{fn}: placements {tuple(out)} has {len(out)} entries but mesh_shape {mesh_shape} "
-            f"has {len(mesh_shape)} dims; give one placement per mesh dim "
-            f"(Replicate() for a mesh dim that does not split the tensor)"
-        )
-    return tuple(out)
-
-
-def _partials(fn: str, placements: tuple[Placement, ...]) -> None:
-    reduces = {p.reduce for p in placements if isinstance(p, Partial)}
-    if len(reduces) > 1:
-        raise ValueError(
-            f"{fn}: placements {placements} mix Partial reductions {sorted(reduces)}; "
-            f"the blocks' reduction order would be ambiguous, use one reduction for every mesh dim"
-        )
-
-
-# ----------------------------------------------------------------------------- core
-
-
-def _chunk(length: int, num_chunks: int, index: int) -> tuple[int, int]:
-    """Bounds of chunk ``index`` when ``torch.chunk`` cuts ``length`` into ``num_chunks``."""
-    size = -(-length // num_chunks)
-    return min(index * size, length), min((index + 1) * size, length)
-
-
-def _spans(p: Placement, length: int, num_chunks: int, index: int) -> list[tuple[int, int]]:
-    """Position intervals (ascending, disjoint) that coordinate ``index`` keeps of ``length``."""
-    if isinstance(p, StridedShard):
-        spans = []
-        for piece in range(p.split_factor):
-            start, stop = _chunk(length, p.split_factor, piece)
-            lo, hi = _chunk(stop - start, num_chunks, index)
-            if hi > lo:
-                spans.append((start + lo, start + hi))
-        return spans
-    lo, hi = _chunk(length, num_chunks, index)
-    return [(lo, hi)] if hi > lo else []
-
-
-def _take(runs: _Runs, spans: list[tuple[int, int]]) -> _Runs:
-    """The elements at positions ``spans`` of the concatenation of ``runs``, as maximal runs."""
-    out: list[range] = []
-    k, base = 0, 0  # runs[k] covers positions [base, base + len(runs[k]))
-    for lo, hi in spans:
-        while lo < hi:
-            while base + len(runs[k]) <= lo:
-                base += len(runs[k])
-                k += 1
-            run = runs[k]
-            stop = min(hi, base + len(run))
-            piece = range(run.start + lo - base, run.start + stop - base)
-            if out and out[-1].stop == piece.start:
-                out[-1] = range(out[-1].start, piece.stop)
-            else:
-                out.append(piece)
-            lo = stop
-    return tuple(out)
-
-
-def index_runs(
-    shape: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-    coord: tuple[int, ...],
-    placements: tuple[Placement, ...],
-) -> tuple[_Runs, ...]:
-    runs: list[_Runs] = [(range(n),) if n else () for n in shape]
-    for p, n, c in zip(placements, mesh_shape, coord, strict=True):
-        if isinstance(p, (Shard, StridedShard)):
-            length = sum(map(len, runs[p.dim]))
-            runs[p.dim] = _take(runs[p.dim], _spans(p, length, n, c))
-    return tuple(runs)
 
 
 # ----------------------------------------------------------------------------- public
@@ -243,10 +80,10 @@ def local_shape_and_offset(
         ((0,), (3,))
     """
     fn = "local_shape_and_offset"
-    shape = _ints(fn, "global_shape", global_shape, minimum=0)
-    mesh = _mesh(fn, mesh_shape)
-    coord = _coordinate(fn, coordinate, mesh)
-    pl = _placements(fn, placements, mesh, len(shape), f"global_shape {shape}")
+    shape = check_ints(fn, "global_shape", global_shape, minimum=0)
+    mesh = check_mesh_shape(fn, mesh_shape)
+    coord = check_coordinate(fn, coordinate, mesh)
+    pl = check_placements(fn, placements, mesh, len(shape), f"global_shape {shape}")
     runs = index_runs(shape, mesh, coord, pl)
     local = tuple(sum(map(len, r)) for r in runs)
     offset = tuple(r[0].start if r else n for r, n in zip(runs, shape, strict=True))
@@ -284,10 +121,10 @@ def local_indices(
         ((), (range(0, 2),))
     """
     fn = "local_indices"
-    shape = _ints(fn, "global_shape", global_shape, minimum=0)
-    mesh = _mesh(fn, mesh_shape)
-    coord = _coordinate(fn, coordinate, mesh)
-    pl = _placements(fn, placements, mesh, len(shape), f"global_shape {shape}")
+    shape = check_ints(fn, "global_shape", global_shape, minimum=0)
+    mesh = check_mesh_shape(fn, mesh_shape)
+    coord = check_coordinate(fn, coordinate, mesh)
+    pl = check_placements(fn, placements, mesh, len(shape), f"global_shape {shape}")
     return index_runs(shape, mesh, coord, pl)
 
 
@@ -322,8 +159,8 @@ def explicit_order(
         ((0, Shard(0)), (2, Shard(0)), (1, Shard(0)))
     """
     fn = "explicit_order"
-    mesh = _mesh(fn, mesh_shape)
-    pl = _placements(fn, placements, mesh, None)
+    mesh = check_mesh_shape(fn, mesh_shape)
+    pl = check_placements(fn, placements, mesh, None)
     ordered: list[tuple[int, Placement]] = []
     pending: dict[int, list[tuple[int, StridedShard]]] = {}
     ended: dict[int, int] = {}  # tensor dim -> mesh dim of the Shard that ended its strided part
@@ -398,15 +235,15 @@ def global_shape_and_stride(
         ((4, 8, 4), (32, 1, 8))
     """
     fn = "global_shape_and_stride"
-    shape = list(_ints(fn, "local_shape", local_shape, minimum=0))
-    stride = list(_ints(fn, "local_stride", local_stride, minimum=0))
+    shape = list(check_ints(fn, "local_shape", local_shape, minimum=0))
+    stride = list(check_ints(fn, "local_stride", local_stride, minimum=0))
     if len(shape) != len(stride):
         raise ValueError(
             f"{fn}: local_shape {tuple(shape)} and local_stride {tuple(stride)} have "
             f"different lengths"
         )
-    mesh = _mesh(fn, mesh_shape)
-    pl = _placements(fn, placements, mesh, len(shape), f"local_shape {tuple(shape)}")
+    mesh = check_mesh_shape(fn, mesh_shape)
+    pl = check_placements(fn, placements, mesh, len(shape), f"local_shape {tuple(shape)}")
     for mesh_dim, dim in _shards(pl):
         shape[dim] *= mesh[mesh_dim]
         stride = [
@@ -439,9 +276,9 @@ def local_stride(
         (16, 1, 8)
     """
     fn = "local_stride"
-    stride = _ints(fn, "global_stride", global_stride, minimum=0)
-    mesh = _mesh(fn, mesh_shape)
-    pl = _placements(fn, placements, mesh, len(stride), f"global_stride {stride}")
+    stride = check_ints(fn, "global_stride", global_stride, minimum=0)
+    mesh = check_mesh_shape(fn, mesh_shape)
+    pl = check_placements(fn, placements, mesh, len(stride), f"global_stride {stride}")
     divisors = [1] * len(stride)
     for mesh_dim, dim in _shards(pl):
         for j, s in enumerate(stride):
@@ -450,7 +287,7 @@ def local_stride(
     return tuple(s // d for s, d in zip(stride, divisors, strict=True))
 
 
-def _index(runs: _Runs, device: torch.device) -> torch.Tensor:
+def _index(runs: Runs, device: torch.device) -> torch.Tensor:
     return torch.cat([torch.arange(r.start, r.stop, device=device) for r in runs])
 
 
@@ -485,11 +322,11 @@ def shard_tensor(
     fn = "shard_tensor"
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{fn}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    mesh = _mesh(fn, mesh_shape)
-    coord = _coordinate(fn, coordinate, mesh)
+    mesh = check_mesh_shape(fn, mesh_shape)
+    coord = check_coordinate(fn, coordinate, mesh)
     shape = tuple(tensor.shape)
-    pl = _placements(fn, placements, mesh, len(shape), f"tensor shape {shape}")
-    _partials(fn, pl)
+    pl = check_placements(fn, placements, mesh, len(shape), f"tensor shape {shape}")
+    check_partials(fn, pl)
     out = tensor
     for dim, runs in enumerate(index_runs(shape, mesh, coord, pl)):
         if len(runs) == 1:
@@ -537,10 +374,10 @@ def unshard_tensor(
         True
     """
     fn = "unshard_tensor"
-    shape = _ints(fn, "global_shape", global_shape, minimum=0)
-    mesh = _mesh(fn, mesh_shape)
-    pl = _placements(fn, placements, mesh, len(shape), f"global_shape {shape}")
-    _partials(fn, pl)
+    shape = check_ints(fn, "global_shape", global_shape, minimum=0)
+    mesh = check_mesh_shape(fn, mesh_shape)
+    pl = check_placements(fn, placements, mesh, len(shape), f"global_shape {shape}")
+    check_partials(fn, pl)
     if not isinstance(blocks, Mapping):
         raise TypeError(
             f"{fn}: blocks must be a mapping from mesh coordinate to tensor, "
@@ -566,10 +403,10 @@ def unshard_tensor(
             continue  # read once per distinct block: index 0 on Replicate / Partial dims
         group: list[tuple[tuple[int, ...], torch.Tensor]] = []
         for sub in itertools.product(*(range(mesh[m]) for m in partial_dims)):
-            c = list(coord)
+            full = list(coord)
             for m, s in zip(partial_dims, sub, strict=True):
-                c[m] = s
-            group.append((tuple(c), keys[tuple(c)]))
+                full[m] = s
+            group.append((tuple(full), keys[tuple(full)]))
         runs = index_runs(shape, mesh, coord, pl)
         local = tuple(sum(map(len, r)) for r in runs)
         for c, block in group:
