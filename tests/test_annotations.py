@@ -25,6 +25,7 @@ from torch.func import grad, grad_and_value
 
 import pshard as ps
 from pshard._core import annotations as _annotations
+from pshard._core import type_specs as _type_specs
 from pshard._core.annotations import default_in_specs, default_out_specs
 from pshard._core.specs import broadcast_prefix
 
@@ -407,13 +408,13 @@ def test_reader_is_cached_per_function_and_keeps_nothing_alive(monkeypatch):
 
 def test_reader_class_specs_cached_per_class(monkeypatch):
     calls = []
-    original = _annotations._class_hints
+    original = _type_specs._class_hints
 
     def counting(cls, fields):
         calls.append(cls)
         return original(cls, fields)
 
-    monkeypatch.setattr(_annotations, "_class_hints", counting)
+    monkeypatch.setattr(_type_specs, "_class_hints", counting)
 
     @dataclasses.dataclass
     class Local:
