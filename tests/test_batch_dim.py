@@ -18,7 +18,7 @@ from helpers import TREES, Batch, CausalLMOutputLike, Derived
 import pshard as ps
 from pshard._core.tree import tree_flatten, tree_map
 from pshard._microbatch import batch_dim as _batch_dim
-from pshard._microbatch.split_merge import resolve_inputs
+from pshard._microbatch.split import resolve_inputs
 
 S0, S1, R, MEAN = ps.Shard(0), ps.Shard(1), ps.Replicate(), ps.Partial("mean")
 SUM = ps.Partial("sum")

@@ -41,7 +41,7 @@ from .._core.tree import (
     tree_unflatten,
 )
 from .batch_kinds import CONST, MIXED, Kind, Rules, describe_kind, join, output_kinds
-from .split_merge import Inputs, resolve_inputs
+from .split import Inputs, resolve_inputs
 
 __all__ = ["infer_out_specs"]
 
@@ -580,7 +580,7 @@ def out_specs_of_inputs(
     allow_ratio: bool = False,
 ) -> Any:
     """Out spec tree of ``fn`` for inputs resolved by
-    :func:`pshard._microbatch.split_merge.resolve_inputs` (the positional and keyword parts), cached
+    :func:`pshard._microbatch.split.resolve_inputs` (the positional and keyword parts), cached
     per ``fn`` and input signature (treedef, shapes without the batch size, dtypes, devices,
     requires_grad, split dims, non-tensor values, grad mode, weighting); errors are not cached.
     ``api`` starts every error (``"api(fn_name) ..."``); ``allow_ratio`` (``pmap_microbatch`` with a

@@ -22,8 +22,9 @@ from .._core.specs import default_spec, resolve_specs
 from .._core.tree import is_block_mask, keystr, tree_flatten
 from .._runtime.debug import debug_enabled
 from .batch_dim import out_specs_of_inputs
+from .merge import flatten_like
 from .reducers import ReduceError, make_reducer, weight_value
-from .split_merge import Inputs, flatten_like, resolve_inputs, split_columns
+from .split import Inputs, resolve_inputs, split_columns
 
 __all__ = ["pmap_microbatch"]
 
