@@ -7,12 +7,15 @@ exactly when its size is the symbol ``B``, whatever reshapes, permutes or reduct
 A dispatch mode marks every tensor computed from a split input (or from a size involving ``B``),
 which separates the outputs that need a reduction over microbatches from those that do not.
 
-What each traced value is (per-example, a reduction over the batch, ...) is decided by the rules
-of :mod:`pshard._microbatch.batch_kinds`; this module traces, and turns the kinds of the outputs
-into specs.
+What each traced value is (per-example, a reduction over the batch, ...) is its kind
+(:mod:`pshard._microbatch.batch_kinds`), which the rules of :mod:`pshard._microbatch.kind_rules`
+give every op's outputs while the trace runs (:mod:`pshard._microbatch.batch_trace`: the fake
+inputs and the dispatch mode). This module runs the trace and turns the kinds of the outputs into
+specs.
 
-One module-level object holds state: :data:`_CACHE`, the traced out specs per function and input
-signature (and grad mode and weighting). It keeps functions only weakly, so a bound method,
+One cache: :data:`_CACHE`, the traced out specs per function and input signature (and grad mode
+and weighting), registered as ``"inferred out specs"`` with :mod:`pshard._core.caches` (so
+:func:`pshard.clear_caches` empties it). It keeps functions only weakly, so a bound method,
 closure or module is not kept alive by having been analysed.
 """
 
@@ -28,8 +31,9 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat import outside_transforms
+from .._core.caches import register
 from .._core.checks import fn_name
 from .._core.placements import Partial, Placement, Replicate, Shard
 from .._core.specs import default_spec, rebuild_spec_tree
@@ -40,7 +44,8 @@ from .._core.tree import (
     tree_flatten_with_path,
     tree_unflatten,
 )
-from .batch_kinds import CONST, MIXED, Kind, Rules, describe_kind, join, output_kinds
+from .batch_kinds import CONST, Kind, describe_kind
+from .batch_trace import Trace, is_fake
 from .split import Inputs, resolve_inputs
 
 __all__ = ["infer_out_specs"]
@@ -103,7 +108,7 @@ def _check_inputs(where: str, inputs: Inputs) -> list[int | None]:
     if inputs.plan.recheck is not None:  # the quick plan leaves sizes to the split: compare now
         inputs.plan = inputs.plan.recheck()
     for i, (leaf, spec) in enumerate(zip(inputs.leaves, inputs.specs, strict=True)):
-        if _is_fake(leaf):
+        if is_fake(leaf):
             raise ValueError(
                 f"{where} {inputs.name_of(i)}: the input is already a fake tensor (an enclosing "
                 f"trace); batch-dim analysis cannot run inside another trace: pass out_specs "
@@ -122,6 +127,11 @@ def _check_inputs(where: str, inputs: Inputs) -> list[int | None]:
 # Cache.
 
 
+# What one trace gives: the output's structure and the spec of each of its leaves.
+_Traced = tuple[optree.PyTreeSpec, list[Placement]]
+_Table = collections.OrderedDict[Any, _Traced]  # input signature -> traced, least recent first
+
+
 class _TraceCache:
     """Out specs per function and input signature, holding functions weakly.
 
@@ -132,8 +142,14 @@ class _TraceCache:
     """
 
     def __init__(self) -> None:
-        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._entries: weakref.WeakKeyDictionary[Any, dict[Any, _Table]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
 
     @staticmethod
     def _owner(fn: Any) -> tuple[Any, Any]:
@@ -143,7 +159,7 @@ class _TraceCache:
             return self_obj, func
         return fn, None
 
-    def _table(self, fn: Any, create: bool) -> collections.OrderedDict | None:
+    def _table(self, fn: Any, create: bool) -> _Table | None:
         owner, func = self._owner(fn)
         try:
             per_owner = self._entries.get(owner)
@@ -158,7 +174,7 @@ class _TraceCache:
             table = per_owner[func] = collections.OrderedDict()
         return table
 
-    def get(self, fn: Any, signature: Any) -> Any:
+    def get(self, fn: Any, signature: Any) -> _Traced | None:
         with self._lock:
             table = self._table(fn, create=False)
             if table is None or signature not in table:
@@ -166,7 +182,7 @@ class _TraceCache:
             table.move_to_end(signature)
             return table[signature]
 
-    def put(self, fn: Any, signature: Any, value: Any) -> None:
+    def put(self, fn: Any, signature: Any, value: _Traced) -> None:
         with self._lock:
             table = self._table(fn, create=True)
             if table is None:
@@ -177,6 +193,7 @@ class _TraceCache:
 
 
 _CACHE = _TraceCache()
+register("inferred out specs", _CACHE.clear)
 
 
 def _signature(
@@ -204,216 +221,10 @@ def _signature(
     return key
 
 
-# --------------------------------------------------------------------------------------------
-# Tracing.
-
-
-def _storage_key(t: torch.Tensor) -> tuple[int, Any]:
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return id(t), t
-    return storage._cdata, storage
-
-
-class _KindMode(TorchDispatchMode):
-    """Runs under the fake mode of a trace and gives every tensor its :class:`Kind` (how it
-    depends on the batch), by the rules of :mod:`pshard._microbatch.batch_kinds`.
-
-    A tensor's kind is that of its view (tensors made by an op) joined with the writes made
-    into its storage (so an in-place write of batch values into a buffer, or into a view of
-    one, reaches every alias). Real tensors reaching an op (parameters and buffers of modules
-    captured by ``fn``) are swapped for fake copies first, so no op computes on or writes to
-    real data; :meth:`restore` puts back the ``.grad`` of any real leaf that autograd touched.
-    """
-
-    # Higher-order operators (flex_attention, cond, ...) come through __torch_dispatch__ too.
-    supports_higher_order_operators = True
-
-    def __init__(self, symbol: Any, fake_mode: Any) -> None:
-        super().__init__()
-        self._symbol = symbol
-        self._fake_mode = fake_mode
-        self._views: dict[int, tuple[Any, Kind]] = {}  # id -> (tensor kept alive, kind)
-        self._writes: dict[int, tuple[Any, Kind | None]] = {}  # storage -> (storage, kind)
-        self._real_leaves: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (tensor, .grad)
-        self.rules = Rules(self.kind_of, self.is_batch, self.power, self.sign)
-
-    # --- kinds ------------------------------------------------------------------------------
-
-    def set_kind(self, t: torch.Tensor, kind: Kind | None) -> None:
-        self._views[id(t)] = (t, kind or CONST)
-
-    def write(self, t: torch.Tensor, kind: Kind | None) -> None:
-        key, keep = _storage_key(t)
-        old = self._writes.get(key, (keep, None))[1]
-        whole = t.numel() == _storage_numel(t)
-        self._writes[key] = (keep, kind if whole else join(old, kind))
-        self.set_kind(t, kind if whole else join(self.kind_of(t), kind))
-
-    def kind_of(self, t: torch.Tensor) -> Kind | None:
-        view = self._views.get(id(t))
-        kind = view[1] if view is not None and view[0] is t else None
-        written = self._writes.get(_storage_key(t)[0])
-        if written is not None:
-            kind = join(kind, written[1])
-        return None if kind == CONST else kind
-
-    def is_batch(self, size: Any) -> bool:
-        return isinstance(size, torch.SymInt) and self._symbol in size.node.expr.free_symbols
-
-    def power(self, x: Any) -> int | None:
-        expr = x.node.expr
-        if self._symbol not in expr.free_symbols:
-            return 0
-        for p in range(-4, 5):
-            if self._symbol not in (expr / self._symbol**p).free_symbols:
-                return p
-        return None
-
-    @staticmethod
-    def sign(x: Any) -> int | None:
-        if isinstance(x, bool) or x is None:
-            return None
-        if isinstance(x, (int, float)):
-            return (x > 0) - (x < 0)
-        if isinstance(x, (torch.SymInt, torch.SymFloat)):
-            hint = x.node.hint
-            return None if hint is None else (hint > 0) - (hint < 0)
-        return None
-
-    # --- real tensors -------------------------------------------------------------------------
-
-    def _fake(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or _is_fake(x):
-            return x
-        if x.is_leaf and id(x) not in self._real_leaves:
-            self._real_leaves[id(x)] = (x, x.grad)
-        return _fake_like(self._fake_mode, x)
-
-    def restore(self) -> None:
-        for tensor, grad in self._real_leaves.values():
-            if tensor.grad is not grad:
-                tensor.grad = grad
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
-        if any(isinstance(x, torch.Tensor) and not _is_fake(x) for x in leaves):
-            args, kwargs = optree.tree_map(self._fake, (args, kwargs), namespace=NAMESPACE)
-            leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
-        out = func(*args, **kwargs)
-        inputs = [x for x in leaves if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat))]
-        if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: no rule
-            kind = MIXED if any(self.rules.value_kind(x) != CONST for x in inputs) else CONST
-        else:
-            kind = self.rules.apply(func, args, kwargs, inputs)
-        written: set[int] = set()
-        schema = getattr(func, "_schema", None)
-        for i, argument in enumerate(schema.arguments if schema is not None else ()):
-            alias = argument.alias_info
-            if alias is not None and alias.is_write:
-                target = args[i] if i < len(args) else kwargs.get(argument.name)
-                for t in optree.tree_leaves(target, namespace=NAMESPACE):
-                    if isinstance(t, torch.Tensor):
-                        self.write(t, kind)
-                        written.add(_storage_key(t)[0])
-        positions = list(out) if isinstance(out, (tuple, list)) else [out]
-        for part, k in zip(positions, output_kinds(func, kind, len(positions)), strict=True):
-            for t in optree.tree_leaves(part, namespace=NAMESPACE):
-                if isinstance(t, torch.Tensor) and _storage_key(t)[0] not in written:
-                    self.set_kind(t, k)
-        return out
-
-
-def _storage_numel(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().nbytes() // max(t.element_size(), 1)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return t.numel()
-
-
-def _fake_like(fake_mode: Any, x: torch.Tensor) -> torch.Tensor:
-    """A fake tensor with ``x``'s metadata; a tensor wrapped by a ``torch.func`` transform is
-    described by its logical shape (the transform does not change the answer)."""
-    from torch._C._functorch import is_functorch_wrapped_tensor
-
-    if not is_functorch_wrapped_tensor(x):
-        return fake_mode.from_tensor(x, static_shapes=True)
-    with fake_mode:
-        return torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
-
-
-def _is_fake(x: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(x, FakeTensor)
-
-
 def _next_prime(n: int, exclude: set[int]) -> int:
     while n in exclude or any(n % p == 0 for p in range(2, int(n**0.5) + 1)):
         n += 1
     return n
-
-
-class _Trace:
-    """The state of one trace: shape env, batch symbol and dependence marks."""
-
-    def __init__(self, hint: int) -> None:
-        from torch._dynamo.source import ConstantSource
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-
-        self.hint = hint
-        self.env = ShapeEnv(
-            allow_scalar_outputs=False,
-            allow_dynamic_output_shape_ops=False,
-            specialize_zero_one=False,
-        )
-        source = ConstantSource("pshard_batch_size")
-        self.symbol = self.env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
-        self.batch = self.env.create_symintnode(self.symbol, hint=hint, source=source)
-        self.fake_mode = FakeTensorMode(shape_env=self.env, allow_non_fake_inputs=True)
-        self.deps = _KindMode(self.symbol, self.fake_mode)
-
-    def fake_input(self, leaf: Any, split_dim: int | None) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        if split_dim is None:
-            fake = _fake_like(self.fake_mode, leaf)
-        else:
-            sizes = [self.batch if d == split_dim else int(s) for d, s in enumerate(leaf.shape)]
-            # Keep the memory layout (outermost dim first) so layout-sensitive ops behave alike.
-            try:
-                order = sorted(range(leaf.dim()), key=lambda d: (-leaf.stride(d), d))
-            except RuntimeError:  # a tensor of a torch.func transform: no strides
-                order = list(range(leaf.dim()))
-            with self.fake_mode:
-                fake = torch.empty_permuted(sizes, order, dtype=leaf.dtype, device=leaf.device)
-            self.deps.set_kind(fake, Kind("row", 0))
-        if leaf.requires_grad and not fake.requires_grad:
-            fake.requires_grad_(True)
-        return fake
-
-    def render(self, expr: Any) -> str:
-        import sympy
-
-        return str(expr.subs(self.symbol, sympy.Symbol("B")))
-
-    def size_expr(self, size: Any) -> Any:
-        if isinstance(size, torch.SymInt):
-            return self.env.simplify(size.node.expr)
-        return int(size)
-
-    def specialised_to(self) -> Any:
-        """The value the batch symbol was fixed to by a guard, or None if it stayed free."""
-        replaced = self.env.replace(self.symbol)
-        if replaced != self.symbol:
-            return replaced
-        bounds = self.env.var_to_range.get(self.symbol)
-        if bounds is not None and bounds.lower == bounds.upper:
-            return bounds.lower
-        return None
 
 
 _MERGES = {
@@ -466,7 +277,7 @@ def _merge_spec(
     )
 
 
-def _leaf_spec(where: str, leaf: Any, trace: _Trace, allow_ratio: bool = False) -> Placement:
+def _leaf_spec(where: str, leaf: Any, trace: Trace, allow_ratio: bool = False) -> Placement:
     """The out spec of one output leaf."""
     symbol = trace.symbol
     if isinstance(leaf, torch.Tensor):
@@ -492,14 +303,14 @@ def _leaf_spec(where: str, leaf: Any, trace: _Trace, allow_ratio: bool = False) 
                 f"{where}: the batch size B is the size of dims {dims} (shape {shape}), so "
                 f"the batch dim is ambiguous; pass out_specs explicitly"
             )
-        kind = trace.deps.kind_of(leaf) if _is_fake(leaf) else None
+        kind = trace.deps.kind_of(leaf) if is_fake(leaf) else None
         return _merge_spec(where, kind, exact[0] if exact else None, shape, allow_ratio)
     if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         expr = trace.env.simplify(leaf.node.expr)
         if symbol in getattr(expr, "free_symbols", ()):
-            kind = type(leaf).__name__.replace("Sym", "").lower()
+            number = type(leaf).__name__.replace("Sym", "").lower()
             raise ValueError(
-                f"{where}: a Python {kind} computed from the batch size ({trace.render(expr)}); "
+                f"{where}: a Python {number} computed from the batch size ({trace.render(expr)}); "
                 f"each microbatch would give a different value and Python numbers cannot be "
                 f"merged: compute it outside the function or pass out_specs explicitly"
             )
@@ -524,7 +335,7 @@ def _trace_out_specs(
     leaves: Sequence[Any],
     split_dims: Sequence[int | None],
     allow_ratio: bool = False,
-) -> tuple[optree.PyTreeSpec, list[Any]]:
+) -> _Traced:
     static = {
         int(s)
         for leaf, dim in zip(leaves, split_dims, strict=True)
@@ -532,18 +343,16 @@ def _trace_out_specs(
         for d, s in enumerate(leaf.shape)
         if d != dim
     }
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-
-    trace = _Trace(_next_prime(_HINT_START, static))
+    trace = Trace(_next_prime(_HINT_START, static))
     # The answer depends on fn and the inputs' metadata only: the trace runs outside any
     # torch.func transform that is calling us (grad, vmap, ...).
-    with temporarily_clear_interpreter_stack():
+    with outside_transforms():
         fake_leaves = [
             trace.fake_input(leaf, dim) for leaf, dim in zip(leaves, split_dims, strict=True)
         ]
     args, kwargs = tree_unflatten(treedef, fake_leaves)
     try:
-        with temporarily_clear_interpreter_stack(), trace.fake_mode, trace.deps:
+        with outside_transforms(), trace.fake_mode, trace.deps:
             out = fn(*args, **kwargs)
     except Exception as error:
         detail = re.sub(rf"\b{trace.symbol}\b", "B", str(error))
