@@ -7,6 +7,7 @@ time, and each output leaf is reduced as soon as its microbatch finishes (the st
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from optree import PyTreeSpec
 
 from .._core.annotations import default_in_specs, default_out_specs
 from .._core.checks import check_int, fn_name
@@ -23,7 +25,7 @@ from .._core.tree import is_block_mask, keystr, tree_flatten
 from .._runtime.debug import debug_enabled
 from .batch_dim import out_specs_of_inputs
 from .merge import flatten_like
-from .reducers import ReduceError, make_reducer, weight_value
+from .reducers import ReduceError, Reducer, make_reducer, weight_value
 from .split import Inputs, resolve_inputs, split_columns
 
 __all__ = ["pmap_microbatch"]
@@ -174,7 +176,11 @@ def pmap_microbatch(
     ):
         if value is not None:
             check_int("pmap_microbatch", name, value, minimum=1)
-    if (num_microbatches is None) == (microbatch_size is None):
+    if num_microbatches is not None and microbatch_size is None:
+        count, by_size = num_microbatches, False
+    elif microbatch_size is not None and num_microbatches is None:
+        count, by_size = microbatch_size, True
+    else:
         given = (
             f"num_microbatches={num_microbatches}, microbatch_size={microbatch_size}"
             if num_microbatches is not None
@@ -194,28 +200,23 @@ def pmap_microbatch(
         )
     if weight_fn is not None and not callable(weight_fn):
         raise TypeError(f"pmap_microbatch: weight_fn must be callable, got {weight_fn!r}")
-    config = _Config(
-        num_microbatches, microbatch_size, in_specs, kw_specs, out_specs, weight_fn, accum_dtype
-    )
+    config = _Config(count, by_size, in_specs, kw_specs, out_specs, weight_fn, accum_dtype)
     if fn is None:
         return functools.partial(_wrap, config=config)
     return _wrap(fn, config=config)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Config:
-    __slots__ = (
-        "num_microbatches",
-        "microbatch_size",
-        "in_specs",
-        "kw_specs",
-        "out_specs",
-        "weight_fn",
-        "accum_dtype",
-    )
+    """``pmap_microbatch``'s keyword arguments, checked at decoration."""
 
-    def __init__(self, *values: Any) -> None:
-        for name, value in zip(self.__slots__, values, strict=True):
-            setattr(self, name, value)
+    count: int  # num_microbatches, or microbatch_size when by_size
+    by_size: bool
+    in_specs: Any
+    kw_specs: Any
+    out_specs: Any
+    weight_fn: Callable[..., Any] | None
+    accum_dtype: torch.dtype | None
 
 
 def _wrap(fn: F, *, config: _Config) -> F:
@@ -229,7 +230,9 @@ def _wrap(fn: F, *, config: _Config) -> F:
     return microbatched  # type: ignore[return-value]
 
 
-def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> Any:
+def _run(
+    fn: Callable[..., Any], config: _Config, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     where = f"pmap_microbatch({fn_name(fn)})"
     in_specs, kw_specs = config.in_specs, config.kw_specs
     if in_specs is None or (kw_specs is None and kwargs):
@@ -246,16 +249,16 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
     args_def, kwargs_def = inputs.defs
     leaves, specs, plan, name_of = inputs.leaves, inputs.specs, inputs.plan, inputs.name_of
     n_args = inputs.counts[0]
-    if config.num_microbatches is not None:
-        k, count_name = config.num_microbatches, "num_microbatches"
+    if not config.by_size:
+        k, count_name = config.count, "num_microbatches"
     else:
         if plan.size is None:
             raise ValueError(
-                f"{where}: microbatch_size={config.microbatch_size} but no input is split (every "
+                f"{where}: microbatch_size={config.count} but no input is split (every "
                 "leaf of in_specs/kw_specs is Replicate()); give the batched inputs Shard(d), "
                 "or use num_microbatches"
             )
-        k, count_name = math.ceil(plan.size / config.microbatch_size), "microbatch_size"
+        k, count_name = math.ceil(plan.size / config.count), "microbatch_size"
     columns, sizes = split_columns(
         leaves, specs, plan, k, name_of, where=where, count_name=count_name
     )
@@ -266,12 +269,12 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
             out_specs = _infer_out_specs(fn, inputs, config.weight_fn is not None)
 
     weight_fn = config.weight_fn
-    reducers: list[Any] = []
+    reducers: list[Reducer] = []
     out_def: Any = None
     for i in range(k):
         piece = [column[i] for column in columns]
-        mb_args = args_def.unflatten(piece[:n_args])
-        mb_kwargs = kwargs_def.unflatten(piece[n_args:])
+        mb_args: Any = args_def.unflatten(piece[:n_args])
+        mb_kwargs: Any = kwargs_def.unflatten(piece[n_args:])
         del piece
         out = fn(*mb_args, **mb_kwargs)
         if weight_fn is not None:
@@ -312,7 +315,9 @@ def _run(fn: Callable[..., Any], config: _Config, args: tuple, kwargs: dict) -> 
     return out_def.unflatten([reducer.result() for reducer in reducers])
 
 
-def _call_weight_fn(weight_fn: Callable[..., Any], args: tuple, kwargs: dict, where: str) -> Any:
+def _call_weight_fn(
+    weight_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], where: str
+) -> Any:
     """``weight_fn(*args, **kwargs)``; a call its signature cannot take is a clear error."""
     try:
         inspect.signature(weight_fn).bind(*args, **kwargs)
@@ -336,7 +341,12 @@ def _signature_text(fn: Callable[..., Any]) -> str:
 
 
 def _fold(
-    reducers: list[Any], leaves: list[Any], weight: Any, i: int, out_def: Any, where: str
+    reducers: list[Reducer],
+    leaves: list[Any],
+    weight: float | torch.Tensor,
+    i: int,
+    out_def: PyTreeSpec,
+    where: str,
 ) -> None:
     """Add microbatch ``i``'s output leaves to their reductions (a function of its own, so
     that no loop variable keeps a leaf alive into the next microbatch)."""

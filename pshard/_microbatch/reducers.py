@@ -21,10 +21,11 @@ is out of place, so gradients flow through the merge.
 
 Internal interface:
 
-- ``make_reducer(spec, accum_dtype, sizes, label, chunks, *, debug=None)``: the reducer of
-  one leaf with (checked) spec ``spec`` over ``chunks`` chunks; ``sizes`` are the chunks' input
-  sizes along the split (for ``Concat``; None when unknown); ``label.format(i)`` names chunk
-  ``i`` in messages; ``debug`` turns on the ``Replicate()`` equality check.
+- ``Reducer``: what a reducer provides (``add(x, weight, i)``, ``result()``).
+- ``make_reducer(spec, accum_dtype, sizes, label, chunks, *, debug=None) -> Reducer``: the
+  reducer of one leaf with (checked) spec ``spec`` over ``chunks`` chunks; ``sizes`` are the
+  chunks' input sizes along the split (for ``Concat``; None when unknown); ``label.format(i)``
+  names chunk ``i`` in messages; ``debug`` turns on the ``Replicate()`` equality check.
 - ``ReduceError``: raised by ``add``; the message lacks the key path, which the caller adds.
 - ``weight_value(w, what) -> float | Tensor``: a chunk's weight as a float (a one-element
   tensor when it cannot be read, e.g. under ``vmap``).
@@ -33,16 +34,17 @@ Internal interface:
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Protocol
 
 import optree
 import torch
 
+from .._compat import is_wrapped
 from .._core.placements import Partial, Shard
 from .._core.tree import NAMESPACE, describe
 from .._runtime.debug import debug_enabled
 
-__all__ = ["Concat", "ReduceError", "make_reducer", "weight_value"]
+__all__ = ["Concat", "ReduceError", "Reducer", "make_reducer", "weight_value"]
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -50,6 +52,18 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 class ReduceError(Exception):
     """A reduction failed; the message lacks the leaf's key path, which the caller adds."""
+
+
+class Reducer(Protocol):
+    """The streaming reduction of one leaf over chunks."""
+
+    def add(self, x: Any, w: float | torch.Tensor, i: int) -> None:
+        """Add chunk ``i``'s value ``x`` of weight ``w``; raises :class:`ReduceError`."""
+        ...
+
+    def result(self) -> Any:
+        """The merged value of the chunks added so far."""
+        ...
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -62,11 +76,7 @@ def _is_tracked(t: torch.Tensor) -> bool:
     accumulators are then updated out of place (the compiler reuses the memory), since
     in-place updates of an accumulator carried across graph breaks came back lost (a wrong
     mean, no error) under torch 2.13's AOT backends."""
-    return (
-        torch.compiler.is_compiling()
-        or t.requires_grad
-        or torch._C._functorch.is_functorch_wrapped_tensor(t)
-    )
+    return torch.compiler.is_compiling() or t.requires_grad or is_wrapped(t)
 
 
 def _is_leaf(x: Any) -> bool:
@@ -422,7 +432,7 @@ def make_reducer(
     chunks: int,
     *,
     debug: bool | None = None,
-) -> Any:
+) -> Reducer:
     """The streaming reduction of one output leaf with (checked) spec ``spec`` over ``chunks``
     chunks; ``label`` names chunk ``i`` in messages as ``label.format(i)``
     (``"microbatch {}"``); ``debug`` (default: :func:`pshard.debug_enabled`) turns on the
