@@ -26,9 +26,11 @@ import types
 
 import torch
 
-from pshard.sequence import _ring as ring
+from pshard.sequence import _ring_pass as ring
 from pshard.sequence._layouts import SeqLayout
 from pshard.sequence._masks import check_window
+from pshard.sequence._ring_blocks import acc_dtype
+from pshard.sequence._ring_schedule import RingSpec
 
 HEADS, SIZE = 8, 64
 
@@ -64,7 +66,7 @@ def _timed(run, device: torch.device) -> float:
 def _rank(s: int, n: int, r: int, dtype, device, explicit: bool, window: int | None):
     """One rank's ring compute, forward + backward, as a function to time."""
     lay = SeqLayout("zigzag", s, n)
-    spec = ring._Spec(lay, True, SIZE**-0.5, 1, check_window("ring_blocks", window))
+    spec = RingSpec(lay, True, SIZE**-0.5, 1, check_window("ring_blocks", window))
     c = types.SimpleNamespace(size=n, rank=r)
     g = torch.Generator(device=device).manual_seed(r)
     local = lay.local_length
@@ -77,8 +79,8 @@ def _rank(s: int, n: int, r: int, dtype, device, explicit: bool, window: int | N
 
     def run() -> None:
         with _alone(explicit):
-            out, lse = ring._ring_forward(q, k, v, None, c, spec)
-            ring._ring_backward(q, k, v, out, lse, do, None, c, spec)
+            out, lse = ring.ring_forward(q, k, v, None, c, spec)
+            ring.ring_backward(q, k, v, out, lse, do, None, c, spec)
 
     return run
 
@@ -115,7 +117,7 @@ def main() -> None:
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    kern = ring.block_kernel(device, ring._acc(dtype), SIZE)
+    kern = ring.block_kernel(device, acc_dtype(dtype), SIZE)
     name = kern.name if kern is not None else "explicit matmuls (no fused kernel here)"
     mask = "causal" if args.window is None else f"causal, window {args.window}"
     print(

@@ -178,7 +178,7 @@ def _ring_layer(args: argparse.Namespace, hq: int, hkv: int, n: int) -> dict:
 
 
 def _ring_table(args: argparse.Namespace) -> None:
-    from pshard.sequence._ring import block_counts
+    from pshard.sequence._ring_schedule import block_counts
 
     b, s, d = args.batch, args.seq, args.head_size
     print()
@@ -520,7 +520,7 @@ def _packed_layer(args: argparse.Namespace, n: int, seg: torch.Tensor) -> dict:
 
 
 def _packed_table(args: argparse.Namespace) -> None:
-    from pshard.sequence._ring import block_counts
+    from pshard.sequence._ring_schedule import block_counts
 
     s = args.seq
     print()

@@ -27,10 +27,12 @@ from test_seq_model import (
 import pshard as ps
 from pshard._core.tree import tree_map
 from pshard.sequence import _kernels as kernels
-from pshard.sequence import _ring as ring_module
+from pshard.sequence import _ring_blocks as blocks
+from pshard.sequence import _ring_pass as ring_pass
+from pshard.sequence import _ring_schedule as schedule
 from pshard.sequence._context import SeqContext, sequence_context
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
-from pshard.sequence._ring import BlockCounts, block_counts
+from pshard.sequence._ring_schedule import BlockCounts, block_counts
 
 B, D = 2, 3
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -113,15 +115,15 @@ def test_against_full_attention(pool, n: int) -> None:
     _check(n, data, pool.run(n, _worker, n, data), TOL)
 
 
-_LEAF = ring_module._LEAF
+_LEAF = blocks._LEAF
 
 
 def _cut_worker(n: int, data: list) -> list:
-    ring_module._LEAF = 1  # every triangle of 2 rows or more is cut in halves, down to 1 row
+    blocks._LEAF = 1  # every triangle of 2 rows or more is cut in halves, down to 1 row
     try:
         return _worker(n, data)
     finally:
-        ring_module._LEAF = _LEAF
+        blocks._LEAF = _LEAF
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -270,19 +272,19 @@ def count_worker(n: int, s: int, kind: str, seg: torch.Tensor | None = None) -> 
     q = torch.randn(1, lay.local_length, 1, 2)
     mine = None if seg is None else pad_permute(seg, 1, lay, -1).chunk(n, 1)[r]
     rows = 0
-    real = ring_module._block_forward
+    real = ring_pass.block_forward
 
     def counting(qa, kb, *args):
         nonlocal rows
         rows += qa.shape[-2] * kb.shape[-2]  # one head: query rows x key rows of the block
         return real(qa, kb, *args)
 
-    ring_module._block_forward = counting
+    ring_pass.block_forward = counting
     try:
         with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
             ps.ring_attention(q, q, q, causal=True, segment_ids=mine)
     finally:
-        ring_module._block_forward = real
+        ring_pass.block_forward = real
     return rows
 
 
@@ -303,19 +305,19 @@ def triangle_worker(n: int, s: int, kind: str, hkv: int) -> list[int]:
     lay = SeqLayout(kind, s, n)
     q, k = torch.randn(1, lay.local_length, 2, 4), torch.randn(1, lay.local_length, hkv, 4)
     flagged = [0, 0]
-    real = ring_module._block_forward
+    real = ring_pass.block_forward
 
     def counting(*args):
         if args[-1] is not None:
             flagged[args[-1]] += 1
         return real(*args)
 
-    ring_module._block_forward = counting
+    ring_pass.block_forward = counting
     try:
         with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
             ps.ring_attention(q, k, k, causal=True)
     finally:
-        ring_module._block_forward = real
+        ring_pass.block_forward = real
     return flagged
 
 
@@ -344,14 +346,12 @@ def test_triangles_found_from_positions_match_the_mask() -> None:
     for kind in LAYOUTS:
         for n, s in ((2, 16), (2, 15), (3, 20), (4, 32), (4, 29)):
             lay = SeqLayout(kind, s, n)
-            b = ring_module._bounds(lay.local_length, 2)
+            b = schedule.chunk_bounds(lay.local_length, 2)
             for r in range(n):
                 for src in range(n):
                     for q in range(2):
                         for k in range(2):
-                            got = ring_module._triangle_of(
-                                lay, r, src, b[q], b[q + 1], b[k], b[k + 1]
-                            )
+                            got = schedule.triangle_of(lay, r, src, b[q], b[q + 1], b[k], b[k + 1])
                             qp = torch.tensor(lay.positions(r)[b[q] : b[q + 1]])
                             kp = torch.tensor(lay.positions(src)[b[k] : b[k + 1]])
                             seen = position_mask(qp, kp, s, True, None)
@@ -378,13 +378,13 @@ def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int, groups: in
     kb, vb = (torch.randn(2, 3, rows, 8, **f64) for _ in range(2))
     # each key/value head's query heads folded into its rows, group-major
     qa, do = (torch.randn(2, 3, groups * rows, 8, **f64) for _ in range(2))
-    spec = ring_module._Spec(None, True, 0.3, groups)
+    spec = schedule.RingSpec(None, True, 0.3, groups)
     acc = torch.float64
     mask = torch.ones(rows, rows, dtype=torch.bool).tril(-tri)
-    assert rows > ring_module._LEAF  # cut at least once
+    assert rows > blocks._LEAF  # cut at least once
     kern = kernels.CPU
-    out, lse = ring_module._block_forward(qa, kb, vb, mask, spec, acc, kern, tri)
-    want_out, want_lse = ring_module._block_forward(qa, kb, vb, mask, spec, acc, kern, None)
+    out, lse = blocks.block_forward(qa, kb, vb, mask, spec, acc, kern, tri)
+    want_out, want_lse = blocks.block_forward(qa, kb, vb, mask, spec, acc, kern, None)
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
     q, k, v = (t.clone().requires_grad_() for t in (qa, kb, vb))
@@ -394,9 +394,7 @@ def test_triangle_blocks_cut_in_halves_are_exact(tri: int, rows: int, groups: in
     want = torch.autograd.grad(p @ v, (q, k, v), do)
     finite = torch.where(lse.isneginf(), torch.zeros_like(lse), lse)
     delta = (do * out).sum(-1)
-    got = ring_module._block_backward(
-        qa, kb, vb, do, out, finite, delta, mask, spec, acc, kern, tri
-    )
+    got = blocks.block_backward(qa, kb, vb, do, out, finite, delta, mask, spec, acc, kern, tri)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 

@@ -23,7 +23,7 @@ from test_ring_attention import _check, _data, _worker
 
 import pshard as ps
 from pshard.sequence import _kernels as kernels
-from pshard.sequence import _ring as ring_module
+from pshard.sequence import _ring_pass as ring_pass
 
 F64 = torch.float64
 
@@ -248,12 +248,12 @@ def _efficient_worker(n: int, data: list, worker=_worker) -> tuple[list, dict]:
         return run
 
     kern = kernels.efficient_kernel(counted(fake_efficient), counted(fake_efficient_backward))
-    real = ring_module.block_kernel
-    ring_module.block_kernel = lambda device, dtype, width: kern
+    real = ring_pass.block_kernel
+    ring_pass.block_kernel = lambda device, dtype, width: kern
     try:
         return worker(n, data), calls
     finally:
-        ring_module.block_kernel = real
+        ring_pass.block_kernel = real
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -295,13 +295,13 @@ def test_views_the_kernel_cannot_read_are_copied(causal: bool, dv: int) -> None:
     q, k = (torch.randn(2, 11, 2, 8, generator=g, dtype=F64) for _ in range(2))
     v, c = torch.randn(2, 11, 2, dv, generator=g, dtype=F64), torch.randn(2, 11, 2, dv, dtype=F64)
     inputs = [t.requires_grad_() for t in (q, k, v)]
-    real = ring_module.block_kernel
-    ring_module.block_kernel = lambda device, dtype, width: FAKE
+    real = ring_pass.block_kernel
+    ring_pass.block_kernel = lambda device, dtype, width: FAKE
     try:
         got = ps.ring_attention(*inputs, causal=causal)
         got_grads = torch.autograd.grad((got * c).sum(), inputs)
     finally:
-        ring_module.block_kernel = real
+        ring_pass.block_kernel = real
     want = full_attention(*inputs, causal)
     want_grads = torch.autograd.grad((want * c).sum(), inputs)
     for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):

@@ -29,7 +29,7 @@ from pshard._core.tree import tree_leaves, tree_map
 from pshard.sequence._context import SeqContext, sequence_context
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
 from pshard.sequence._masks import check_window, position_mask, visible_counts
-from pshard.sequence._ring import BlockCounts, block_counts
+from pshard.sequence._ring_schedule import BlockCounts, block_counts
 
 B, D = 2, 3
 TOL = {"rtol": 1e-9, "atol": 1e-11}

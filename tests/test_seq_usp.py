@@ -18,7 +18,7 @@ from test_seq_model import _sums, init_params
 
 import pshard as ps
 from pshard.sequence._layouts import LAYOUTS, SeqLayout, pad_permute
-from pshard.sequence._ring import GatheredLayout, _plan
+from pshard.sequence._ring_schedule import GatheredLayout, plan
 
 B, D = 2, 3
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -144,7 +144,7 @@ def test_gathered_layout() -> None:
     # the load-balancing layouts balance the ring part: equal causal work on both ring ranks
     for kind, balanced in (("zigzag", True), ("stripe", True), ("contiguous", False)):
         layout = GatheredLayout(SeqLayout(kind, 64, 4), 2, 2)
-        work = [_plan(layout, r, True)[1].work for r in range(2)]
+        work = [plan(layout, r, True)[1].work for r in range(2)]
         assert (work[0] == work[1]) is balanced, (kind, work)
         assert sum(work) == 32.0  # half of the 2 x 2 steps x 4 x 4 chunk pairs: causal
 

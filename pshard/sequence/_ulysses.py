@@ -30,7 +30,6 @@ from .._runtime import wire as raw
 from .._runtime.mesh import Axis
 from ._context import context_scope
 from ._exchange import heads_to_tokens, tokens_to_heads
-from ._heads import seq_to_heads
 from ._layouts import SeqLayout, unpermute_unpad
 from ._masks import Window, position_mask, segment_mask
 from ._qkv import AttentionArgs, attention_args, repeat_kv, token_layout
@@ -38,20 +37,6 @@ from ._qkv import AttentionArgs, attention_args, repeat_kv, token_layout
 __all__ = ["ulysses_attention"]
 
 _FN = "ulysses_attention"
-
-
-def _exchange(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, n: int, sd: int, hd: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``seq_to_heads`` of q, k, v; one all-to-all when they can be packed together."""
-    hq, hkv = q.shape[hd], k.shape[hd]
-    if q.shape[-1] == v.shape[-1] and q.dtype == k.dtype == v.dtype and q.device == k.device:
-        # per rank r: [q heads of r | k heads of r | v heads of r], then one exchange
-        parts = [t.unflatten(hd, (n, -1)) for t in (q, k, v)]
-        packed = torch.cat(parts, hd + 1).flatten(hd, hd + 1)
-        both = seq_to_heads(packed, axis, seq_dim=sd, head_dim=hd)
-        return both.split([hq // n, hkv // n, hkv // n], hd)  # type: ignore[return-value]
-    return tuple(seq_to_heads(t, axis, seq_dim=sd, head_dim=hd) for t in (q, k, v))  # type: ignore[return-value]
 
 
 def _takes_mask(attn_fn: Callable[..., Any]) -> bool:

@@ -4,9 +4,9 @@ The sequence is split over the product of ``ring_axis`` (major) and ``ulysses_ax
 ``shard_map_seq(axis=(ring_axis, ulysses_axis))``. An all-to-all over ``ulysses_axis`` gives each
 rank every token of its Ulysses group for ``heads / U`` heads; ring attention over ``ring_axis``
 then runs on those heads, each ring rank holding its group's tokens
-(:class:`~pshard.sequence._ring.GatheredLayout`: the concatenation of the group's positions, so
-causal masks, padding, segment ids and windows stay exact by global position under every
-layout); a second all-to-all returns this rank's tokens with every head.
+(:class:`~pshard.sequence._ring_schedule.GatheredLayout`: the concatenation of the group's
+positions, so causal masks, padding, segment ids and windows stay exact by global position under
+every layout); a second all-to-all returns this rank's tokens with every head.
 
 With ``N = R * U`` ranks, per rank and layer (counted by ``benchmarks/sequence_parallel.py``):
 the Ulysses part moves ``(U - 1) / U`` of q, k, v and the output of its ``s / N`` tokens, the ring
@@ -22,14 +22,29 @@ import torch
 from .._runtime import wire as raw
 from .._runtime.mesh import Axis
 from ._context import context_scope, normalize_axis
-from ._heads import heads_to_seq
+from ._heads import heads_to_seq, seq_to_heads
 from ._qkv import attention_args, repeat_kv, token_layout
-from ._ring import GatheredLayout, ring_core
-from ._ulysses import _exchange
+from ._ring import ring_core
+from ._ring_schedule import GatheredLayout
 
 __all__ = ["usp_attention"]
 
 _FN = "usp_attention"
+
+
+def _to_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, n: int, sd: int, hd: int
+) -> tuple[torch.Tensor, ...]:
+    """``seq_to_heads`` of q, k, v over ``axis`` (``n`` ranks); one all-to-all when they can be
+    packed together."""
+    hq, hkv = q.shape[hd], k.shape[hd]
+    if q.shape[-1] == v.shape[-1] and q.dtype == k.dtype == v.dtype and q.device == k.device:
+        # per rank r: [q heads of r | k heads of r | v heads of r], then one exchange
+        parts = [t.unflatten(hd, (n, -1)) for t in (q, k, v)]
+        packed = torch.cat(parts, hd + 1).flatten(hd, hd + 1)
+        both = seq_to_heads(packed, axis, seq_dim=sd, head_dim=hd)
+        return both.split([hq // n, hkv // n, hkv // n], hd)
+    return tuple(seq_to_heads(t, axis, seq_dim=sd, head_dim=hd) for t in (q, k, v))
 
 
 def usp_attention(
@@ -108,7 +123,7 @@ def usp_attention(
             )
         layout = token_layout(_FN, a.ctx, r * u, q, sd)
         k, v = repeat_kv(k, v, u, hd)
-        qh, kh, vh = _exchange(q, k, v, ulysses_axis, u, sd, hd)
+        qh, kh, vh = _to_heads(q, k, v, ulysses_axis, u, sd, hd)
         if seg is not None and u > 1:
             seg = raw.all_gather(seg, cu, seg.dim() - 1, True)  # the group's tokens, in order
         gathered = GatheredLayout(layout, r, u)
