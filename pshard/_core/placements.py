@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from .checks import check_int
@@ -36,8 +37,8 @@ __all__ = [
 
 _REDUCE_OPS = ("sum", "mean", "max", "min")
 # pshard reduce name -> torch.distributed.tensor.Partial reduce_op name
-_TO_TORCH_REDUCE = {"sum": "sum", "mean": "avg", "max": "max", "min": "min"}
-_FROM_TORCH_REDUCE = {v: k for k, v in _TO_TORCH_REDUCE.items()}
+_TO_TORCH_REDUCE = MappingProxyType({"sum": "sum", "mean": "avg", "max": "max", "min": "min"})
+_FROM_TORCH_REDUCE = MappingProxyType({v: k for k, v in _TO_TORCH_REDUCE.items()})
 
 
 class Placement:

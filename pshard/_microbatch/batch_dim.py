@@ -27,6 +27,7 @@ import re
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import optree
@@ -227,14 +228,16 @@ def _next_prime(n: int, exclude: set[int]) -> int:
     return n
 
 
-_MERGES = {
-    Kind("const", 0): Replicate(),
-    Kind("const", 1): Partial("sum"),
-    Kind("sum", 0): Partial("sum"),
-    Kind("sum", -1): Partial("mean"),
-    Kind("max", 0): Partial("max"),
-    Kind("min", 0): Partial("min"),
-}
+_MERGES = MappingProxyType(
+    {
+        Kind("const", 0): Replicate(),
+        Kind("const", 1): Partial("sum"),
+        Kind("sum", 0): Partial("sum"),
+        Kind("sum", -1): Partial("mean"),
+        Kind("max", 0): Partial("max"),
+        Kind("min", 0): Partial("min"),
+    }
+)
 
 
 def _merge_spec(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -42,20 +43,20 @@ __all__ = ["Rules", "output_kinds"]
 
 _aten = torch.ops.aten
 
-_aten = torch.ops.aten
-
 # families, by overload packet
-_LINEAR_BINARY = {_aten.add, _aten.sub, _aten.rsub}
-_MUL = {_aten.mul}
-_DIV = {_aten.div, _aten.true_divide}
-_NEG = {_aten.neg}
-_SUM = {_aten.sum, _aten.mean, _aten.nansum}
-_EXTREME = {_aten.amax: "max", _aten.amin: "min", _aten.max: "max", _aten.min: "min"}
-_MATMUL = {
+_LINEAR_BINARY = frozenset({_aten.add, _aten.sub, _aten.rsub})
+_MUL = frozenset({_aten.mul})
+_DIV = frozenset({_aten.div, _aten.true_divide})
+_NEG = frozenset({_aten.neg})
+_SUM = frozenset({_aten.sum, _aten.mean, _aten.nansum})
+_EXTREME = MappingProxyType(
+    {_aten.amax: "max", _aten.amin: "min", _aten.max: "max", _aten.min: "min"}
+)
+_MATMUL = frozenset({
     _aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.dot, _aten.vdot,
     _aten.mv, _aten.addmv,
-}  # fmt: skip
-_SAME = {
+})  # fmt: skip
+_SAME = frozenset({
     _aten.clone, _aten._to_copy, _aten.contiguous, _aten.detach, _aten.alias, _aten.lift_fresh,
     _aten.lift_fresh_copy, _aten.view, _aten._unsafe_view, _aten.reshape, _aten.permute,
     _aten.transpose, _aten.t, _aten.squeeze, _aten.unsqueeze, _aten.flatten, _aten.unflatten,
@@ -66,29 +67,31 @@ _SAME = {
     _aten.type_as, _aten.view_copy, _aten.t_copy, _aten.transpose_copy, _aten.permute_copy,
     _aten.unsqueeze_copy, _aten.squeeze_copy, _aten.expand_copy, _aten.slice_copy,
     _aten.select_copy, _aten.alias_copy,
-}  # fmt: skip
-_EXPAND = {_aten.expand, _aten.expand_as, _aten.broadcast_to}
-_FACTORY = {
+})  # fmt: skip
+_EXPAND = frozenset({_aten.expand, _aten.expand_as, _aten.broadcast_to})
+_FACTORY = frozenset({
     _aten.empty, _aten.zeros, _aten.ones, _aten.full, _aten.empty_strided, _aten.new_empty,
     _aten.new_zeros, _aten.new_ones, _aten.new_full, _aten.new_empty_strided, _aten.zeros_like,
     _aten.ones_like, _aten.empty_like, _aten.full_like, _aten.rand, _aten.randn, _aten.randint,
     _aten.rand_like, _aten.randn_like, _aten.randint_like, _aten.scalar_tensor, _aten.bernoulli,
     _aten.normal,
-}  # fmt: skip
-_LIKE = {
+})  # fmt: skip
+_LIKE = frozenset({
     _aten.zeros_like, _aten.ones_like, _aten.empty_like, _aten.full_like, _aten.rand_like,
     _aten.randn_like, _aten.randint_like,
-}  # fmt: skip
-_NEW = {_aten.new_empty, _aten.new_zeros, _aten.new_ones, _aten.new_full, _aten.new_empty_strided}
-_POSITIONAL = {_aten.arange, _aten.linspace, _aten.logspace}
-_DIM_MIXING = {  # per-example unless they act along the batch dim
+})  # fmt: skip
+_NEW = frozenset(
+    {_aten.new_empty, _aten.new_zeros, _aten.new_ones, _aten.new_full, _aten.new_empty_strided}
+)
+_POSITIONAL = frozenset({_aten.arange, _aten.linspace, _aten.logspace})
+_DIM_MIXING = frozenset({  # per-example unless they act along the batch dim
     _aten._softmax, _aten._log_softmax, _aten.softmax, _aten.log_softmax, _aten.cumsum,
     _aten.cumprod, _aten.logcumsumexp, _aten.cummax, _aten.cummin, _aten.sort, _aten.argsort,
     _aten.topk, _aten.flip, _aten.roll, _aten.kthvalue, _aten.median, _aten.mode,
     _aten.argmax, _aten.argmin, _aten.logsumexp, _aten.prod, _aten.var, _aten.std,
     _aten.var_mean, _aten.std_mean, _aten.linalg_vector_norm, _aten.norm, _aten.any,
     _aten.all, _aten.count_nonzero, _aten.nanmedian, _aten.glu, _aten.diff,
-}  # fmt: skip
+})  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
