@@ -15,7 +15,7 @@ from pshard.sequence._layouts import (
     pad_permute,
     unpermute_unpad,
 )
-from pshard.sequence._seq_boundary import _ShareTokens
+from pshard.sequence._seq_boundary import share_tokens
 
 SIZES = range(1, 6)
 LENGTHS = range(14)
@@ -195,7 +195,7 @@ def test_hooks_share_split_against_the_permuted_whole(kind: str) -> None:
         for r in range(n):
             want = pad_permute(x, dim, lay, 5.0).chunk(n, dim)[r]
             xr = x.clone().requires_grad_(True)
-            y = _ShareTokens.apply(xr, dim, lay, r, 5.0)
+            y = share_tokens(xr, dim, lay, r, 5.0)
             assert torch.equal(y, want)
             ct = torch.randn(y.shape, generator=g, dtype=torch.float64, requires_grad=True)
             (grad,) = torch.autograd.grad((y * ct).sum(), xr, create_graph=True)
@@ -206,10 +206,10 @@ def test_hooks_share_split_against_the_permuted_whole(kind: str) -> None:
             assert torch.equal(again, pad_permute(w, dim, lay, 0.0).chunk(n, dim)[r])
             tan = torch.randn(*shape, generator=g, dtype=torch.float64)
             _, jv = torch.func.jvp(
-                lambda a, r=r, d=dim, lay=lay: _ShareTokens.apply(a, d, lay, r, 5.0), (x,), (tan,)
+                lambda a, r=r, d=dim, lay=lay: share_tokens(a, d, lay, r, 5.0), (x,), (tan,)
             )
             assert torch.equal(jv, pad_permute(tan, dim, lay, 0.0).chunk(n, dim)[r])
             batched = torch.func.vmap(
-                lambda a, r=r, d=dim, lay=lay: _ShareTokens.apply(a, d, lay, r, 5.0)
+                lambda a, r=r, d=dim, lay=lay: share_tokens(a, d, lay, r, 5.0)
             )(torch.stack([x, 2 * x]))
             assert torch.equal(batched[1], pad_permute(2 * x, dim, lay, 5.0).chunk(n, dim)[r])

@@ -272,15 +272,15 @@ def test_compiled_maps_refuse_a_tuple_out_of_mesh_order() -> None:
     refused with an error naming both orders; the mesh's order passes."""
     from types import SimpleNamespace
 
-    from pshard.sequence._shard_map_seq import _check_mesh_order
+    from pshard.sequence._shard_map_seq import check_mesh_order
 
     mesh = SimpleNamespace(mesh_dim_names=("a", "b", "c"))
-    _check_mesh_order(("a", "c"), mesh)
+    check_mesh_order(("a", "c"), mesh)
     with pytest.raises(
         NotImplementedError,
         match=re.escape("('c', 'a') must be given in the mesh's order ('a', 'c')"),
     ):
-        _check_mesh_order(("c", "a"), mesh)
+        check_mesh_order(("c", "a"), mesh)
 
 
 def _strides_worker(layout: str) -> dict:

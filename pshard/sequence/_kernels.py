@@ -36,13 +36,14 @@ there.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .._core.caches import cached
 
 __all__ = [
     "CPU",
@@ -179,7 +180,7 @@ def _checked(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, widt
     return verified(kernel, device, dtype, width)
 
 
-@functools.lru_cache(maxsize=256)
+@cached("fused attention kernel checks", 256)
 def verified(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, width: int) -> bool:
     """Whether ``kernel`` gives the explicit matmuls' output, log-sum-exp and gradients (from a
     merged output and log-sum-exp laid out as the ring lays them out) on a small problem on

@@ -35,13 +35,13 @@ Internal interface (used by the sequence transforms):
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .._core.caches import cached
 from .._core.checks import check_int
 
 __all__ = [
@@ -175,7 +175,7 @@ class SeqLayout:
 # --------------------------------------------------------------------------- cached index math
 
 
-@functools.lru_cache(maxsize=512)
+@cached("sequence layout positions", 512)
 def _positions(kind: str, padded: int, size: int, rank: int) -> tuple[int, ...]:
     local = padded // size
     if kind == "contiguous":
@@ -188,7 +188,7 @@ def _positions(kind: str, padded: int, size: int, rank: int) -> tuple[int, ...]:
     return (*first, *range(mirror * chunk, (mirror + 1) * chunk))
 
 
-@functools.lru_cache(maxsize=512)
+@cached("sequence layout runs", 512)
 def _runs(kind: str, padded: int, size: int, rank: int) -> tuple[tuple[int, int, int, int], ...]:
     local = padded // size
     if kind == "contiguous":
@@ -199,12 +199,12 @@ def _runs(kind: str, padded: int, size: int, rank: int) -> tuple[tuple[int, int,
     return ((0, rank * chunk, chunk, 1), (chunk, (2 * size - 1 - rank) * chunk, chunk, 1))
 
 
-@functools.lru_cache(maxsize=512)
+@cached("sequence layout permutations", 512)
 def _permutation(kind: str, padded: int, size: int) -> tuple[int, ...]:
     return tuple(p for r in range(size) for p in _positions(kind, padded, size, r))
 
 
-@functools.lru_cache(maxsize=512)
+@cached("sequence layout inverse permutations", 512)
 def _inverse(kind: str, padded: int, size: int) -> tuple[int, ...]:
     inv = [0] * padded
     for slot, p in enumerate(_permutation(kind, padded, size)):
@@ -212,7 +212,7 @@ def _inverse(kind: str, padded: int, size: int) -> tuple[int, ...]:
     return tuple(inv)
 
 
-@functools.lru_cache(maxsize=512)
+@cached("sequence layout index tensors", 512)
 def _index_tensor(
     kind: str, padded: int, size: int, rank: int | None, device: torch.device
 ) -> torch.Tensor:

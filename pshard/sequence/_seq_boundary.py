@@ -37,7 +37,7 @@ from .._runtime.wire import Comm, all_gather, gather_parts, pairwise
 from .._shard_map.boundary import BlockLayout, FromBlocks, exchange_shapes
 from ._layouts import SeqLayout, along, pad_permute, place_blocks, take_blocks
 
-__all__ = ["SeqBoundary", "place_tokens", "take_tokens"]
+__all__ = ["SeqBoundary", "place_tokens", "share_tokens", "take_tokens"]
 
 
 class _TakeTokens(torch.autograd.Function):
@@ -224,6 +224,14 @@ class _Share(torch.autograd.Function):
         return _Share.apply(g.movedim(in_dims[0], 0), dim + 1, layout, rank), 0
 
 
+def share_tokens(x: torch.Tensor, dim: int, layout: SeqLayout, rank: int, pad: Any) -> torch.Tensor:
+    """``rank``'s tokens of the whole ``x`` along ``dim`` (``layout.length`` long; padding
+    slots ``pad``), whose transpose puts the cotangent back at ``rank``'s positions, zeros
+    elsewhere: this rank's share (see the module docs). Differentiable in every mode (its
+    transpose's transpose is itself, with zero padding)."""
+    return _ShareTokens.apply(x, dim, layout, rank, pad)
+
+
 class SeqBoundary:
     """The boundary of one call: ``fn`` (the caller's name), the axis (resolved in ``mesh``) and
     the sequence layout."""
@@ -243,7 +251,7 @@ class SeqBoundary:
         transpose is this rank's share (see the module docs)."""
         if self.comm is None:
             return pad_permute(x, dim, self.layout, pad)
-        return _ShareTokens.apply(x, dim % x.dim(), self.layout, self.rank, pad)
+        return share_tokens(x, dim % x.dim(), self.layout, self.rank, pad)
 
     def take(self, x: torch.Tensor, dim: int, pad: Any) -> torch.Tensor:
         """This rank's tokens of ``x`` (no autograd; for ids and masks)."""

@@ -49,7 +49,7 @@ from ._context import SeqContext, normalize_axis, record_for_backward, sequence_
 from ._layouts import SeqLayout, check_layout, pad_permute, unpermute_unpad
 from ._seq_boundary import place_tokens, take_tokens
 
-__all__ = ["shard_map_seq"]
+__all__ = ["check_mesh_order", "shard_map_seq"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,7 +80,7 @@ def _local_shards(out_tree: Any) -> Any:
     )
 
 
-def _check_mesh_order(names: tuple[str, ...], m: DeviceMesh) -> None:
+def check_mesh_order(names: tuple[str, ...], m: DeviceMesh) -> None:
     """Under ``torch.compile`` the blocks are ``shard_map``'s, whose ranks over several mesh
     axes count in the mesh's order: refuse a tuple given in another order."""
     order = tuple(m.mesh_dim_names or ())
@@ -290,7 +290,7 @@ def shard_map_seq(
         if info.group is not None:
             c = Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
         if compiling:  # traceable: the permuted whole, shard_map's blocks
-            _check_mesh_order(names, m)
+            check_mesh_order(names, m)
             flat = [
                 x if d is None else pad_permute(x, d, lay, value)
                 for x, d, value in zip(leaves, dims, values, strict=True)
