@@ -13,7 +13,7 @@ from ._collectives.functions import psum as psum
 from ._collectives.functions import psum_scatter as psum_scatter
 from ._core.annotations import specs_of as specs_of
 from ._core.caches import clear_caches as clear_caches
-from ._core.version import version as __version__
+from ._core.global_tensor import GlobalTensor as GlobalTensor
 from ._core.layout import explicit_order as explicit_order
 from ._core.layout import global_shape_and_stride as global_shape_and_stride
 from ._core.layout import local_indices as local_indices
@@ -29,6 +29,7 @@ from ._core.placements import Shard as Shard
 from ._core.placements import StridedShard as StridedShard
 from ._core.placements import from_torch_placement as from_torch_placement
 from ._core.placements import to_torch_placement as to_torch_placement
+from ._core.version import version as __version__  # noqa: F401
 from ._microbatch.batch_dim import infer_out_specs as infer_out_specs
 from ._microbatch.pmap import pmap_microbatch as pmap_microbatch
 from ._microbatch.split_merge import merge as merge
@@ -40,6 +41,13 @@ from ._runtime.mesh import init_mesh as init_mesh
 from ._runtime.mesh import use_mesh as use_mesh
 from ._runtime.spawn import SpawnError as SpawnError
 from ._runtime.spawn import spawn as spawn
+from ._shard_map.global_ops import from_callback as from_callback
+from ._shard_map.global_ops import from_dtensor as from_dtensor
+from ._shard_map.global_ops import from_local as from_local
+from ._shard_map.global_ops import gather as gather
+from ._shard_map.global_ops import reshard as reshard
+from ._shard_map.global_ops import shard as shard
+from ._shard_map.global_ops import to_dtensor as to_dtensor
 from ._shard_map.shard_map import shard_map as shard_map
 from .sequence._broadcast import broadcast_batches as broadcast_batches
 from .sequence._context import seq_positions as seq_positions
@@ -55,8 +63,15 @@ from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
 from .sequence._ulysses import ulysses_attention as ulysses_attention
 from .sequence._usp import usp_attention as usp_attention
 
-
 __all__ = [
+    "to_dtensor",
+    "shard",
+    "reshard",
+    "GlobalTensor",
+    "gather",
+    "from_local",
+    "from_dtensor",
+    "from_callback",
     "all_gather",
     "all_to_all",
     "axis_index",

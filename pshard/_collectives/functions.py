@@ -33,6 +33,7 @@ import torch
 
 from .._compat import transforms_active, unwrap_dead
 from .._core.checks import check_int, normalize_dim
+from .._core.global_tensor import is_global
 from .._core.tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
 from .._runtime import wire as raw
 from .._runtime.debug import check_pytree
@@ -372,6 +373,12 @@ def _map_leaves(
 
     out = []
     for i, leaf in enumerate(leaves):
+        if is_global(leaf):
+            raise TypeError(
+                f"{fn}: {path(i)()} is {describe(leaf)}; collectives work on this rank's "
+                f"blocks inside a map: pass it through ps.shard_map (fn receives its block), "
+                f"or get the whole value with ps.gather"
+            )
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{fn}: {path(i)()} is {describe(leaf)}, not a tensor; collectives take a "

@@ -49,6 +49,7 @@ import torch
 from optree import PyTreeKind, PyTreeSpec
 
 from .caches import cached
+from .global_tensor import GlobalTensor
 from .placements import P, Placement, Replicate, Shard, StridedShard, from_torch_placement
 from .tree import (
     NAMESPACE,
@@ -388,7 +389,7 @@ def _with_dim(spec: Shard | StridedShard, dim: int) -> Shard | StridedShard:
 
 def _fits(leaf: Any, spec: Placement | P) -> bool:
     """The common case of :func:`_leaf_error`, fast: a tensor with the dims the spec names."""
-    if isinstance(leaf, torch.Tensor):
+    if isinstance(leaf, (torch.Tensor, GlobalTensor)):
         ndim = leaf.ndim
         if isinstance(spec, P):
             return len(spec) <= ndim
@@ -398,7 +399,7 @@ def _fits(leaf: Any, spec: Placement | P) -> bool:
 
 def _leaf_error(leaf: Any, spec: Placement | P) -> str | None:
     """Why ``spec`` cannot split ``leaf`` (None if it can)."""
-    if isinstance(leaf, torch.Tensor):
+    if isinstance(leaf, (torch.Tensor, GlobalTensor)):
         ndim, shape = leaf.ndim, tuple(leaf.shape)
         has = f"the tensor has {_plural(ndim, 'dim')} (shape {shape})"
         if isinstance(spec, P):

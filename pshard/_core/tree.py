@@ -30,6 +30,10 @@ A flex-attention ``BlockMask`` is a leaf (:func:`is_block_mask`): code that spli
 how to cut one along its batch dim (its block tensors, and ``mask_mod`` re-indexed by the batch
 offset), which a generic node could not express.
 
+A :class:`~pshard.GlobalTensor` is a leaf of every walk here (whatever ``is_leaf`` says besides):
+it is registered as a node with optree and torch so that ``torch.func`` and user code see its
+block, but pshard's transforms must see the whole ``GlobalTensor`` (its layout) at its place.
+
 Internal interface (used by the transforms):
 
 - ``NAMESPACE``: ``"pshard"``.
@@ -59,6 +63,7 @@ import optree
 import torch
 from optree import PyTreeAccessor, PyTreeEntry, PyTreeSpec
 
+from .global_tensor import GlobalTensor, is_global
 from .placements import P, Placement
 
 try:
@@ -232,6 +237,13 @@ def _mapping_node(cls: type, example: Any) -> tuple[Callable, Callable, type[PyT
 # --------------------------------------------------------------------------- flatten API
 
 
+def _leaf_test(is_leaf: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
+    """``is_leaf`` with :class:`~pshard.GlobalTensor` s as leaves too."""
+    if is_leaf is None:
+        return is_global
+    return lambda x: is_global(x) or bool(is_leaf(x))
+
+
 def tree_flatten(
     tree: Any,
     *,
@@ -252,7 +264,7 @@ def tree_flatten(
     """
     while True:
         leaves, treedef = optree.tree_flatten(
-            tree, is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE
+            tree, _leaf_test(is_leaf), none_is_leaf=none_is_leaf, namespace=NAMESPACE
         )
         if not _register_leaf_types(leaves):
             return leaves, treedef
@@ -274,7 +286,7 @@ def tree_flatten_with_path(
     """
     while True:
         paths, leaves, treedef = optree.tree_flatten_with_accessor(
-            tree, is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE
+            tree, _leaf_test(is_leaf), none_is_leaf=none_is_leaf, namespace=NAMESPACE
         )
         if not _register_leaf_types(leaves):
             return paths, leaves, treedef
@@ -363,6 +375,8 @@ def describe(x: Any) -> str:
         return "None"
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}"
+    if isinstance(x, GlobalTensor):
+        return f"a GlobalTensor of shape {tuple(x.meta.shape)} ({x.meta.spec!r})"
     if is_block_mask(x):
         return f"a BlockMask of shape {tuple(x.shape)}"
     name = type(x).__name__

@@ -53,6 +53,8 @@ __all__ = [
     "PartialExtreme",
     "check_replicated",
     "exchange_shapes",
+    "shape_row",
+    "whole_shape",
 ]
 
 _SHAPE_WIDTH = 16  # fixed width of the shape exchange, so ranks disagreeing on ndim are caught
@@ -71,6 +73,7 @@ class BlockLayout:
         gather: the axes that split the leaf, in mesh order; ``None`` when none does.
         rep: the mapped axes that do not split the leaf; ``None`` when their size is 1.
         label: the leaf's key path (``in_specs[0]['x']``) and spec, for error messages.
+        fn: the function the errors name (``shard_map``, ``from_local``, ...).
     """
 
     shards: tuple[Placement, ...] = ()
@@ -80,6 +83,7 @@ class BlockLayout:
     gather: Comm | None = None
     rep: Comm | None = None
     label: str = ""
+    fn: str = "shard_map"
 
     @property
     def rep_size(self) -> int:
@@ -194,18 +198,31 @@ def exchange_shapes(y: torch.Tensor, lay: BlockLayout) -> tuple[int, ...]:
     that the blocks are those of the layout."""
     c = lay.gather
     assert c is not None
+    rows = [tuple(r) for r in all_gather(shape_row(y), c, 0, False).tolist()]
+    return whole_shape(rows, lay)
+
+
+def shape_row(y: torch.Tensor) -> torch.Tensor:
+    """``y``'s shape as a fixed-width row for :func:`whole_shape` (``[ndim, *shape, -1...]``)."""
     width = 1 + max(_SHAPE_WIDTH, y.dim())
-    mine = torch.full((width,), -1, dtype=torch.int64, device=y.device)
-    mine[0] = y.dim()
-    mine[1 : 1 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
-    rows = [tuple(r) for r in all_gather(mine, c, 0, False).tolist()]
+    row = torch.full((width,), -1, dtype=torch.int64, device=y.device)
+    row[0] = y.dim()
+    row[1 : 1 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+    return row
+
+
+def whole_shape(rows: list[tuple[int, ...]], lay: BlockLayout) -> tuple[int, ...]:
+    """The whole shape from the :func:`shape_row` of every rank of ``lay.gather`` (in the
+    group's order), after checking that the blocks are those of the layout."""
+    c = lay.gather
+    assert c is not None
     ndims = sorted({r[0] for r in rows})
     axes = tuple(c.name.split(","))
     if len(ndims) > 1:
-        shapes = ", ".join(f"rank {i}: {_shape_text(r)}" for i, r in enumerate(rows))
+        shapes_text = ", ".join(f"rank {i}: {_shape_text(r)}" for i, r in enumerate(rows))
         raise ValueError(
-            f"shard_map {lay.label}: the ranks of axes {axes} returned blocks with different "
-            f"numbers of dims ({shapes}); every rank must return the same kind of value"
+            f"{lay.fn} {lay.label}: the ranks of axes {axes} returned blocks with different "
+            f"numbers of dims ({shapes_text}); every rank must return the same kind of value"
         )
     shapes = [r[1 : 1 + ndims[0]] for r in rows]
     msizes = _mesh_sizes(lay.sizes, lay.perm)
@@ -229,7 +246,7 @@ def exchange_shapes(y: torch.Tensor, lay: BlockLayout) -> tuple[int, ...]:
         got = ", ".join(f"rank {i}: {tuple(s)}" for i, s in enumerate(shapes))
         want = ", ".join(f"rank {i}: {s}" for i, s in enumerate(plan.local))
         raise ValueError(
-            f"shard_map {lay.label}: the blocks returned on the ranks of axes {axes} have "
+            f"{lay.fn} {lay.label}: the blocks returned on the ranks of axes {axes} have "
             f"shapes ({got}), which is not how the spec splits a tensor of shape {tuple(whole)} "
             f"(torch.chunk sizes: {want}); return blocks of those sizes, or give this output a "
             f"spec that does not split the mismatching dims"

@@ -16,15 +16,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._core.annotations import check_out_annotation, default_in_specs, default_out_specs
 from .._core.checks import axis_names as checked_axis_names
-from .._core.placements import P, Partial, Placement, Replicate, Shard, StridedShard
+from .._core.global_tensor import is_global
+from .._core.placements import P, Partial, Placement, Replicate
 from .._core.specs import resolve_specs
 from .._core.tree import describe, keystr, tree_flatten_with_path, tree_unflatten
-from .._runtime.debug import debug_enabled
-from .._runtime.mesh import current_mesh, resolve_axis, use_mesh
-from .._runtime.wire import Comm
+from .._runtime.mesh import current_mesh, use_mesh
 from .boundary import BlockLayout, FromBlocks, PartialExtreme, ToBlock
+from .global_boundary import as_spec, enter_global, exit_global, sharded_outputs
+from .mesh_view import MeshView, block_layout
 
-__all__ = ["shard_map"]
+__all__ = ["Local", "shard_map"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _FN = "shard_map"
@@ -38,91 +39,7 @@ class Local(Placement):
     from the whole value and puts the gathered tokens in sequence order)."""
 
 
-class _Mesh:
-    """The mesh as one call of a mapped function sees it: sizes, this rank's coordinates, the
-    mapped axes (mesh order) and the process groups of axis subsets, resolved once per call."""
-
-    def __init__(self, mesh: DeviceMesh, axis_names: tuple[str, ...] | None) -> None:
-        self.mesh = mesh
-        self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or ())
-        self.sizes = {n: mesh.size(i) for i, n in enumerate(self.names)}
-        if axis_names is None:
-            self.mapped = self.names
-        else:
-            for name in axis_names:
-                if name not in self.sizes:
-                    raise ValueError(
-                        f"{_FN}: axis_names names {name!r}, which is not an axis of the mesh "
-                        f"(axes {self.names} with sizes {tuple(mesh.shape)}); use mesh axis names"
-                    )
-            self.mapped = tuple(n for n in self.names if n in axis_names)
-        self.coord = {n: mesh.get_local_rank(n) for n in self.mapped if self.sizes[n] > 1}
-        self.debug = debug_enabled()
-        self._comms: dict[tuple[str, ...], Comm | None] = {}
-        self.all = self.comm(self.mapped)
-
-    def comm(self, axes: Iterable[str]) -> Comm | None:
-        """The group over ``axes`` (put in mesh order; size-1 axes dropped); None for size 1."""
-        wanted = set(axes)
-        key = tuple(n for n in self.mapped if n in wanted and self.sizes[n] > 1)
-        if key not in self._comms:
-            if not key:
-                self._comms[key] = None
-            else:
-                info = resolve_axis(key, mesh=self.mesh, fn=_FN)
-                self._comms[key] = Comm(info.group, info.size, info.rank, info.name, self.debug)
-        return self._comms[key]
-
-    @staticmethod
-    def axes_text(axes: Iterable[str]) -> str:
-        return repr(tuple(axes))
-
-
-def _spec_axes(spec: P, where: str, m: _Mesh) -> list[tuple[str, int]]:
-    """``(axis, tensor dim)`` for each axis a ``P`` names, checked against the mesh."""
-    out = []
-    for d, entry in enumerate(spec):
-        for name in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-            if name not in m.sizes:
-                raise ValueError(
-                    f"{_FN} {where}: {spec!r} names mesh axis {name!r}, which is not in the mesh "
-                    f"(axes {m.names} with sizes {tuple(m.mesh.shape)}); use one of the mapped "
-                    f"axes {m.mapped}"
-                )
-            if name not in m.mapped:
-                raise ValueError(
-                    f"{_FN} {where}: {spec!r} names mesh axis {name!r}, which this shard_map does "
-                    f"not map (axis_names={m.mapped}); add {name!r} to axis_names, or leave it "
-                    f"out of the spec (unmapped axes are left to the caller)"
-                )
-            out.append((name, d))
-    return out
-
-
-def _layout(spec: Placement | P, ndim: int, where: str, m: _Mesh) -> BlockLayout:
-    """The layout of one leaf under ``spec`` (not ``Partial``)."""
-    pairs: list[tuple[str, Placement]]
-    if isinstance(spec, P):
-        pairs = [(name, Shard(d)) for name, d in _spec_axes(spec, where, m)]
-    elif isinstance(spec, (Shard, StridedShard)):
-        placement = dataclasses.replace(spec, dim=spec.dim % ndim)
-        pairs = [(name, placement) for name in m.mapped]
-    else:
-        pairs = []
-    pairs = [(name, p) for name, p in pairs if m.sizes[name] > 1]
-    split = [n for n in m.mapped if any(n == name for name, _ in pairs)]
-    return BlockLayout(
-        shards=tuple(p for _, p in pairs),
-        sizes=tuple(m.sizes[name] for name, _ in pairs),
-        coord=tuple(m.coord[name] for name, _ in pairs),
-        perm=tuple(split.index(name) for name, _ in pairs),
-        gather=m.comm(split),
-        rep=m.comm(n for n in m.mapped if n not in split),
-        label=f"{where} ({spec!r})",
-    )
-
-
-def _enter(x: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> Any:
+def _enter(x: Any, spec: Placement | P, where: str, m: MeshView, check: bool) -> Any:
     """This rank's block of the input leaf ``x``."""
     if isinstance(spec, Partial):
         raise ValueError(
@@ -131,9 +48,11 @@ def _enter(x: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> An
             f"reduction; use Replicate() (or None) to give every rank the whole value, or "
             f"Shard(d) / P(...) to split it"
         )
+    if is_global(x):
+        return enter_global(x, spec, where, m, check)
     if not isinstance(x, torch.Tensor) or isinstance(spec, Local):
         return x
-    lay = _layout(spec, x.ndim, where, m)
+    lay = block_layout(spec, x.ndim, where, m)
     if m.all is None:
         return x
     guard = None
@@ -147,10 +66,12 @@ def _enter(x: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> An
     return ToBlock.apply(x, lay, 1.0, guard)
 
 
-def _exit(y: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> Any:
+def _exit(y: Any, spec: Placement | P, where: str, m: MeshView, check: bool) -> Any:
     """The whole output leaf from every rank's block ``y``."""
     if isinstance(spec, Local):
         return y
+    if is_global(y):
+        return exit_global(y, spec, where, m)
     if not isinstance(y, torch.Tensor):
         if isinstance(spec, Partial):
             raise ValueError(
@@ -167,24 +88,59 @@ def _exit(y: Any, spec: Placement | P, where: str, m: _Mesh, check: bool) -> Any
             return PartialExtreme.apply(y, lay, "p" + spec.reduce)
         scale = 1.0 if spec.reduce == "sum" else 1.0 / m.all.size
         return FromBlocks.apply(y, lay, True, scale, None, None)
-    lay = _layout(spec, y.ndim, where, m)
+    lay = block_layout(spec, y.ndim, where, m)
     if lay.gather is None and lay.rep is None:
         return y
-    guard = None
-    if check and lay.rep is not None:
-        guard = (
-            lay.rep,
-            f"{_FN} {lay.label}: check_rep: {spec!r} says this output is the same on every "
-            f"rank of axes {m.axes_text(lay.rep.name.split(','))} but fn returned different "
-            f"values; reduce it inside fn (ps.psum, ps.pmean), or give it Partial(...) or a "
-            f"spec that splits it",
-        )
-    return FromBlocks.apply(y, lay, False, 1.0, None, guard)
+    return FromBlocks.apply(y, lay, False, 1.0, None, _rep_guard(lay, spec, m, check))
+
+
+def _rep_guard(
+    lay: BlockLayout, spec: Placement | P, m: MeshView, check: bool
+) -> tuple[Any, str] | None:
+    """The ``check_rep`` test of an output replicated over ``lay.rep`` (None when off)."""
+    if not check or lay.rep is None:
+        return None
+    return (
+        lay.rep,
+        f"{_FN} {lay.label}: check_rep: {spec!r} says this output is the same on every "
+        f"rank of axes {m.axes_text(lay.rep.name.split(','))} but fn returned different "
+        f"values; reduce it inside fn (ps.psum, ps.pmean), or give it Partial(...) or a "
+        f"spec that splits it",
+    )
 
 
 def _tensor(x: Any, spec: Placement | P) -> bool:
     """Whether a leaf needs :func:`_enter` / :func:`_exit` (the rest passes through)."""
-    return isinstance(x, torch.Tensor) or isinstance(spec, Partial)
+    return isinstance(x, torch.Tensor) or isinstance(spec, Partial) or is_global(x)
+
+
+def _stays_sharded(y: Any, spec: Placement | P, where: str, m: MeshView) -> bool:
+    """Whether an output leaves the map as a ``GlobalTensor`` (``gather_outputs=False``): a
+    tensor whose spec splits it over a mapped axis."""
+    if not isinstance(y, torch.Tensor) or isinstance(spec, (Partial, Local)):
+        return False
+    return bool(as_spec(spec, y.ndim, where, m, trivial=True).axes)
+
+
+def _outputs(out: Any, out_tree: Any, m: MeshView, check: bool, gather_outputs: bool) -> Any:
+    """The outputs of ``fn`` as the map returns them."""
+    out_paths, out_leaves, out_def = tree_flatten_with_path(out)
+    specs = resolve_specs(out_tree, out_leaves, out_def, name="out_specs", fn_name=_FN)
+    outer: list[Any] = []
+    sharded: list[tuple[int, tuple[torch.Tensor, Placement | P, str, Any]]] = []
+    for i, (path, y, s) in enumerate(zip(out_paths, out_leaves, specs, strict=True)):
+        where = keystr(path, "out_specs")
+        if not gather_outputs and _stays_sharded(y, s, where, m):
+            guard = _rep_guard(block_layout(s, y.ndim, where, m), s, m, check)
+            sharded.append((i, (y, s, where, guard)))
+            outer.append(None)
+        else:
+            outer.append(_exit(y, s, where, m, check) if _tensor(y, s) else y)
+    if sharded:
+        made = sharded_outputs([item for _, item in sharded], m)
+        for (i, _), value in zip(sharded, made, strict=True):
+            outer[i] = value
+    return tree_unflatten(out_def, outer)
 
 
 @overload
@@ -197,6 +153,7 @@ def shard_map(
     out_specs: Any = None,
     axis_names: str | Iterable[str] | None = None,
     check_rep: bool = False,
+    gather_outputs: bool = True,
 ) -> Callable[[F], F]: ...
 
 
@@ -210,6 +167,7 @@ def shard_map(
     out_specs: Any = None,
     axis_names: str | Iterable[str] | None = None,
     check_rep: bool = False,
+    gather_outputs: bool = True,
 ) -> F: ...
 
 
@@ -222,6 +180,7 @@ def shard_map(
     out_specs: Any = None,
     axis_names: str | Iterable[str] | None = None,
     check_rep: bool = False,
+    gather_outputs: bool = True,
 ) -> Any:
     """Map ``fn`` over blocks of its inputs, one block per rank, and assemble its outputs.
 
@@ -264,6 +223,17 @@ def shard_map(
     ``torch.func.grad(shard_map(f))`` equals the single-process gradient, identical on every
     rank, and ``vjp``, ``jvp``, ``vmap`` (over the whole map) and ``.backward()`` work through it.
 
+    Global tensors (:class:`pshard.GlobalTensor`, values that stay sharded between calls): an
+    input laid out over the mapped axes as its spec asks reaches ``fn`` as its block with no
+    communication, and its cotangent stays a block (the gradient with respect to the block's
+    elements: no all-gather, and a sum only over the mapped axes it is replicated on); laid out
+    otherwise, it is resharded first (exact, differentiable). One sharded only over axes the
+    map does not map passes into ``fn`` unchanged, as a ``GlobalTensor`` over those axes, so
+    maps over different axes nest (FSDP over ``"dp"`` around ``shard_map_seq`` over ``"sp"``).
+    With ``gather_outputs=False`` every output whose spec splits it leaves as a
+    ``GlobalTensor`` (no gather; the blocks' shapes are exchanged once per call, so uneven
+    outputs get their true global shape); replicated and ``Partial`` outputs stay whole.
+
     With one rank on the mapped axes the map is free: ``fn`` runs on the inputs themselves.
 
     Args:
@@ -285,6 +255,8 @@ def shard_map(
             and replicated outputs really are equal on every rank of the mapped axes they are
             replicated over; a mismatch raises ``ValueError`` on every rank naming the key path
             and the ranks. Costs a small all-gather and an all-reduce per checked tensor.
+        gather_outputs: ``False`` returns the outputs whose specs split them as
+            :class:`pshard.GlobalTensor` s of their blocks instead of gathering them.
 
     Returns:
         The mapped function (or a decorator making one).
@@ -307,6 +279,10 @@ def shard_map(
         >>> ps.shard_map(lambda x: 2 * x, in_specs=ps.Shard(0), out_specs=ps.Shard(0))(
         ...     torch.ones(3))
         tensor([2., 2., 2.])
+        >>> double = ps.shard_map(lambda w: 2 * w, in_specs=ps.P("sp"), out_specs=ps.P("sp"),
+        ...                       gather_outputs=False)
+        >>> double(ps.shard(torch.ones(3), ps.P("sp")))  # blocks in, blocks out
+        GlobalTensor(shape=(3,), spec=P('sp'), mesh={'sp': 1}, local shape=(3,))
     """
     names = (
         None
@@ -321,6 +297,7 @@ def shard_map(
             out_specs=out_specs,
             axis_names=names,
             check_rep=check_rep,
+            gather_outputs=gather_outputs,
         )
     if not callable(fn):
         raise TypeError(f"{_FN}: fn must be callable, got {describe(fn)}")
@@ -331,7 +308,7 @@ def shard_map(
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
-        m = _Mesh(current_mesh() if mesh is None else mesh, names)
+        m = MeshView(current_mesh() if mesh is None else mesh, names, _FN)
         check = bool(check_rep) or m.debug
         arg_specs, kw_specs = in_specs, None
         if in_specs is None:
@@ -356,13 +333,7 @@ def shard_map(
         ]
         with use_mesh(m.mesh):
             out = fn(*tree_unflatten(treedef, inner), **tree_unflatten(kw_def, kw_inner))
-        out_paths, out_leaves, out_def = tree_flatten_with_path(out)
         out_tree = default_out_specs(fn, transform=_FN) if out_specs is None else out_specs
-        out_specs_flat = resolve_specs(out_tree, out_leaves, out_def, name="out_specs", fn_name=_FN)
-        outer = [
-            _exit(y, s, keystr(path, "out_specs"), m, check) if _tensor(y, s) else y
-            for path, y, s in zip(out_paths, out_leaves, out_specs_flat, strict=True)
-        ]
-        return tree_unflatten(out_def, outer)
+        return _outputs(out, out_tree, m, check, gather_outputs)
 
     return mapped
