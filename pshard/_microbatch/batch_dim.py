@@ -49,7 +49,7 @@ from .batch_kinds import CONST, Kind, describe_kind
 from .batch_trace import Trace, is_fake
 from .split import Inputs, resolve_inputs
 
-__all__ = ["infer_out_specs"]
+__all__ = ["infer_out_specs", "out_specs_of_inputs"]
 
 # The example value of the batch symbol while tracing: the first prime >= this that no input dim
 # has. It is deliberately not the real batch size, so that a batch of 1 is not specialised by
