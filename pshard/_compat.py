@@ -8,7 +8,8 @@ Imports torch only; every layer of pshard may import it.
 - functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`unwrap_dead`,
   :func:`outside_transforms`;
 - the autograd engine: :func:`graph_task_id`;
-- ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`;
+- ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
+  :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
   :data:`OpOverload`, :class:`TorchDispatchMode`;
 - pytree registration with torch's own pytree: :func:`register_torch_pytree`.
@@ -18,13 +19,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.utils._pytree as _torch_pytree
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = [
     "OpOverload",
@@ -33,6 +37,7 @@ __all__ = [
     "default_store",
     "fake_tensor_types",
     "graph_task_id",
+    "group_count",
     "is_wrapped",
     "outside_transforms",
     "register_torch_pytree",
@@ -84,7 +89,14 @@ def resolve_group(name: str) -> Any:
     """The process group registered under ``name`` (``ProcessGroup.group_name``)."""
     from torch.distributed import distributed_c10d
 
-    return distributed_c10d._resolve_process_group(name)
+    return distributed_c10d._resolve_process_group(cast("GroupName", name))
+
+
+def group_count() -> int:
+    """How many process groups this process has created so far (``0`` before the first)."""
+    from torch.distributed import distributed_c10d
+
+    return int(getattr(getattr(distributed_c10d, "_world", None), "group_count", 0))
 
 
 def fake_tensor_types() -> tuple[type, type]:

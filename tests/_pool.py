@@ -1,8 +1,9 @@
 """A pool of persistent gloo workers for multi-process tests (the ``pool`` fixture).
 
 One gang of ``nprocs`` workers per world size, started on first use and reused by later tests
-(process group kept alive). Built on ``pshard._runtime.spawn._Gang``, the machinery under
-``ps.spawn``: same start-up, loopback rendezvous, remote tracebacks and teardown.
+(process group kept alive). Built on ``pshard._runtime.gang.Gang``, the machinery under
+``ps.spawn``: same start-up, loopback rendezvous, remote tracebacks, stall detection and
+teardown.
 
     results = pool.run(nprocs, fn, *args, timeout=120.0, **kwargs)  # per-rank values, rank order
 
@@ -14,8 +15,9 @@ dtype and the grad mode restored afterwards.
 If any rank raises, ``run`` raises that exception (original type when picklable, the rank in a
 note, remote tracebacks as ``__cause__``), else ``pshard.SpawnError``. The gang survives when every
 rank finished (returned or raised) and the ranks still agree on their process groups; it is torn
-down, and started again on next use, when a rank died, a rank was still running ``_GRACE_S``
-after another failed (stuck in a collective), ``timeout`` passed, or the groups diverged.
+down, and started again on next use, when a rank died, a rank was still running a second after
+another failed (stuck in a collective), ranks waited in collectives that cannot complete (a rank
+that returned, or ranks waiting for each other), ``timeout`` passed, or the groups diverged.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Any
 
 import torch
 
-from pshard._runtime.spawn import _check_fn, _Gang, _pickle_task
+from pshard._runtime.gang import Gang
+from pshard._runtime.spawn import check_fn, pickle_task
 
 # Seconds a fresh gang may take to start (imports of torch on a loaded 2-core machine).
 _STARTUP_TIMEOUT_S = 120.0
@@ -52,16 +55,16 @@ class WorkerPool:
 
     def __init__(self, backend: str = "gloo") -> None:
         self._backend = backend
-        self._gangs: dict[int, _Gang] = {}
+        self._gangs: dict[int, Gang] = {}
         self.starts: dict[int, int] = {}  # gangs started per world size (restarts are visible)
 
-    def _gang(self, nprocs: int) -> _Gang:
+    def _gang(self, nprocs: int) -> Gang:
         gang = self._gangs.get(nprocs)
         if gang is not None and gang.alive():
             return gang
         if gang is not None:
             self._gangs.pop(nprocs).kill()
-        gang = _Gang(nprocs, backend=self._backend, caller="pool.run")
+        gang = Gang(nprocs, backend=self._backend, caller="pool.run")
         self.starts[nprocs] = self.starts.get(nprocs, 0) + 1
         try:
             gang.wait_ready(time.monotonic() + _STARTUP_TIMEOUT_S, _STARTUP_TIMEOUT_S)
@@ -80,8 +83,8 @@ class WorkerPool:
         """``fn(*args, **kwargs)`` on every rank of the ``nprocs`` gang; values in rank order."""
         if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"pool.run: nprocs must be an int >= 1, got {nprocs!r}")
-        _check_fn(fn, "pool.run")
-        task = _pickle_task(_call, (fn, args, kwargs), {}, "pool.run")
+        check_fn(fn, "pool.run")
+        task = pickle_task(_call, (fn, args, kwargs), {}, "pool.run")
         gang = self._gang(nprocs)
         try:
             return gang.call(task, time.monotonic() + timeout, timeout)

@@ -15,9 +15,13 @@ on the group itself: a rank that skips the collective, calls it with another pyt
 with debug mode off would otherwise pair the fingerprint exchange with a different collective
 and hang (or abort). Each rank writes its fingerprint under ``(group, sequence number, rank)``
 and waits for the others' for ``PSHARD_DEBUG_TIMEOUT`` seconds (default 60); a rank still
-missing then is named in the error. The sequence numbers are the only state kept outside a
-context variable: one counter per process group in this process, which every rank advances
-in step (debug mode is for finding where they stop being in step).
+missing then is named in the error.
+
+Process state: the sequence numbers (``_SEQUENCE``) are the one piece of module-level mutable
+state in the runtime, and they are not a cache (``ps.clear_caches()`` leaves them alone): one
+counter per process group in this process, which every rank advances in step, so that the
+ranks' fingerprints of the same collective meet under the same key (debug mode is for finding
+where they stop being in step). Everything else lives in context variables.
 """
 
 from __future__ import annotations
@@ -31,9 +35,19 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
+from .._compat import default_store
 from .._core.checks import WIRE_DTYPES
 
-__all__ = ["debug", "debug_enabled", "check_collective", "check_pytree", "sequence_state"]
+__all__ = [
+    "DebugScope",
+    "check_collective",
+    "check_pytree",
+    "debug",
+    "debug_enabled",
+    "group_key",
+    "perm_code",
+    "sequence_state",
+]
 
 _DEBUG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pshard_debug", default=None)
 
@@ -81,8 +95,8 @@ def debug(enabled: bool = True) -> DebugScope:
     The checks: every rank of a collective's group calls the same collective with the same
     shape, dtype and arguments (a mismatch raises ``ValueError`` on every rank naming each
     rank's call, instead of a hang); other pshard functions add their own (replicated values
-    equal across ranks, specs agreeing with shapes). Each check costs one small all-gather per
-    collective, so leave debug mode off in production runs.
+    equal across ranks, specs agreeing with shapes). Each check costs a few round trips to the
+    process group's store per collective, so leave debug mode off in production runs.
 
     Args:
         enabled: ``True`` to turn the checks on, ``False`` to turn them off.
@@ -187,7 +201,8 @@ def _describe(fp: list[int]) -> str:
     return f"{op}({', '.join(args)}) on axis {label!r}"
 
 
-# process group name -> fingerprints exchanged so far (see the module docs)
+# Process state, not a cache (see the module docs): process group name -> fingerprints
+# exchanged so far on it by this process.
 _SEQUENCE: dict[str, int] = {}
 
 
@@ -203,21 +218,30 @@ def _timeout() -> float:
         return 60.0
 
 
-def check_pytree(op: str, group: dist.ProcessGroup, label: str, leaves: int, code: int) -> None:
+def group_key(group: dist.ProcessGroup) -> str:
+    """The name the checks file ``group``'s fingerprints under (its ``group_name``)."""
+    return getattr(group, "group_name", None) or str(dist.get_process_group_ranks(group))
+
+
+def check_pytree(
+    op: str, group: dist.ProcessGroup | None, label: str, leaves: int, code: int
+) -> None:
     """Compare the structure of a pytree argument (its leaf count and a code of its treedef)
-    across the ranks of ``group``, before its leaves are checked one by one."""
+    across the ranks of ``group``, before its leaves are checked one by one; ``group`` is
+    ``None`` for an axis of one rank (nothing to compare)."""
     # the operation is left out: a mismatch of operations is named by the leaves' check
     _check(op, group, label, _encode("pytree", label, (), torch.int64, (leaves, code & 0x7FFFFFFF)))
 
 
 def check_collective(
     op: str,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     label: str,
     tensor: torch.Tensor,
     params: tuple[int, ...] = (),
 ) -> None:
-    """Compare this rank's collective call with every other rank's in ``group``.
+    """Compare this rank's collective call with every other rank's in ``group`` (``None``: an
+    axis of one rank, nothing to compare).
 
     Raises:
         ValueError: on every rank, when any two ranks disagree on the operation, axis, shape,
@@ -228,7 +252,9 @@ def check_collective(
     _check(op, group, label, _encode(op, label, tuple(tensor.shape), tensor.dtype, params))
 
 
-def _check(op: str, group: dist.ProcessGroup, label: str, fp: list[int]) -> None:
+def _check(op: str, group: dist.ProcessGroup | None, label: str, fp: list[int]) -> None:
+    if group is None:
+        return
     size = dist.get_world_size(group)
     me = dist.get_rank(group)
     fp[_GRANK + 1] = me
@@ -259,8 +285,8 @@ def _exchange(
     op: str, group: dist.ProcessGroup, label: str, fp: list[int], size: int, me: int
 ) -> list[list[int]]:
     """Every rank's fingerprint, through the store (see the module docs)."""
-    store = dist.distributed_c10d._get_default_store()
-    name = getattr(group, "group_name", None) or str(dist.get_process_group_ranks(group))
+    store = default_store()
+    name = group_key(group)
     seq = _SEQUENCE.get(name, 0)
     _SEQUENCE[name] = seq + 1
     prefix = f"pshard_debug/{name}/{seq}/"

@@ -23,14 +23,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .._core.checks import axis_names
 
-__all__ = ["init_mesh", "use_mesh", "current_mesh", "AxisInfo", "resolve_axis"]
+__all__ = ["Axis", "AxisInfo", "current_mesh", "init_mesh", "resolve_axis", "use_mesh"]
 
 
 class _Scope(NamedTuple):
     """The current mesh and the axes resolved in it (axis -> AxisInfo)."""
 
     mesh: DeviceMesh
-    axes: dict
+    axes: dict[str | tuple[str, ...], AxisInfo]
 
 
 _CURRENT_MESH: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
@@ -235,9 +235,7 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
         return AxisInfo(axis if size > 1 else None, size, dist.get_rank(axis), f"group{size}")
     scope = _CURRENT_MESH.get()
     if mesh is None:
-        if scope is None:
-            current_mesh()  # raises: no mesh
-        mesh = scope.mesh
+        mesh = current_mesh()  # raises when there is none
     # axes resolved in the current mesh are cached in its scope; another mesh resolves afresh
     cache = scope.axes if scope is not None and scope.mesh is mesh else {}
     key = (

@@ -21,8 +21,30 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .._compat import resolve_group
 from .debug import check_collective, debug_enabled, perm_code
 from .mesh import Axis, resolve_axis
+
+__all__ = [
+    "PAIRWISE_GATHER_BYTES",
+    "Comm",
+    "Perm",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "axis_key",
+    "broadcast",
+    "comm",
+    "comm_at_run",
+    "gather_into",
+    "gather_parts",
+    "pairwise",
+    "ppermute",
+    "ppermute_start",
+    "reduce",
+    "reduce_scatter",
+    "wait",
+]
 
 Perm = tuple[tuple[int, int], ...]
 
@@ -89,7 +111,7 @@ def comm_at_run(key: str, size: int, rank: int, fn: str) -> Comm:
     spec = json.loads(key)
     axis: Axis
     if isinstance(spec, dict):
-        axis = dist.distributed_c10d._resolve_process_group(spec["group"])
+        axis = resolve_group(spec["group"])
     else:
         axis = spec[0] if len(spec) == 1 else tuple(spec)
     c = _resolve(axis, fn)
@@ -105,7 +127,7 @@ def comm_at_run(key: str, size: int, rank: int, fn: str) -> Comm:
 
 def _peer(c: Comm, index: int) -> int:
     """The global rank of index ``index`` on the axis."""
-    return dist.get_global_rank(c.group, index if c.order is None else c.order[index])
+    return _global(c.group, index if c.order is None else c.order[index])
 
 
 def _by_index(blocks: torch.Tensor, c: Comm) -> torch.Tensor:
