@@ -431,6 +431,42 @@ def test_reader_class_specs_cached_per_class(monkeypatch):
     assert calls == [Local]
 
 
+def test_clear_caches_reads_annotations_again(monkeypatch):
+    reads = []
+    original = _annotations._FnInfo.__init__
+
+    def counting(self, fn):
+        reads.append(fn)
+        original(self, fn)
+
+    monkeypatch.setattr(_annotations._FnInfo, "__init__", counting)
+    hints = []
+    original_hints = _type_specs._class_hints
+
+    def counting_hints(cls, fields):
+        hints.append(cls)
+        return original_hints(cls, fields)
+
+    monkeypatch.setattr(_type_specs, "_class_hints", counting_hints)
+
+    @dataclasses.dataclass
+    class Local:
+        x: Annotated[torch.Tensor, S0]
+
+    def f(b: Local, y: Annotated[torch.Tensor, S1]) -> Annotated[torch.Tensor, R]:
+        raise NotImplementedError
+
+    args = (Local(torch.zeros(2)), torch.zeros(2, 3))
+    for _ in range(2):
+        assert default_in_specs(f, args, {}, transform="t") == ((Local(S0), S1), None)
+        assert default_out_specs(f, transform="t") == R
+    assert (reads, hints) == ([f], [Local])
+    ps.clear_caches()
+    assert default_in_specs(f, args, {}, transform="t") == ((Local(S0), S1), None)
+    assert default_out_specs(f, transform="t") == R
+    assert (reads, hints) == ([f, f], [Local, Local])
+
+
 # --------------------------------------------------------------------------- pmap_microbatch
 
 

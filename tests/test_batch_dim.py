@@ -609,6 +609,22 @@ def test_traced_once_per_signature():
     assert len(calls) == 3
 
 
+def test_clear_caches_traces_again_with_the_same_answer():
+    calls = []
+
+    def fn(x, w):
+        calls.append(1)
+        return x @ w, (x @ w).mean()
+
+    x, w = torch.randn(8, 3), torch.randn(3, 2)
+    assert infer(fn, x, w, in_specs=(S0, R)) == (S0, MEAN)
+    assert infer(fn, x, w, in_specs=(S0, R)) == (S0, MEAN)
+    assert len(calls) == 1
+    ps.clear_caches()
+    assert infer(fn, x, w, in_specs=(S0, R)) == (S0, MEAN)
+    assert len(calls) == 2
+
+
 def test_cache_distinguishes_python_values_and_specs():
     calls = []
 

@@ -140,6 +140,17 @@ def test_match_is_cached_per_structure() -> None:
     assert specs_module._match_cached.cache_info().hits == hits + 1
 
 
+def test_clear_caches_empties_spec_matching() -> None:
+    tree = {"x": tensor(2), "y": [tensor(1), tensor(3)]}
+    specs = {"x": ps.Shard(0), "y": [None, ps.Shard(1)]}
+    expected = [ps.Shard(0), None, ps.Shard(1)]
+    assert broadcast_prefix(specs, tree) == expected
+    assert specs_module._match_cached.cache_info().currsize > 0
+    ps.clear_caches()
+    assert specs_module._match_cached.cache_info().currsize == 0
+    assert broadcast_prefix(specs, tree) == expected
+
+
 # --------------------------------------------------------------------------- prefix errors
 
 
