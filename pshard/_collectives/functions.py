@@ -1,22 +1,15 @@
-"""Differentiable collectives that compose with ``torch.func``.
+"""The public collectives: ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``,
+``psum_scatter``, ``all_to_all``, ``ppermute``, ``broadcast``, ``axis_index``, ``axis_size``.
 
-Each collective is a ``torch.autograd.Function`` in the new style (``forward`` without ``ctx``,
-``setup_context``), so ``torch.func`` can transform it, with three rules beside the forward:
+Each checks its arguments, resolves the axis, and runs its collective on every tensor leaf of a
+pytree: the ``autograd.Function`` of :mod:`pshard._collectives.rules` in eager code (with
+``backward`` = the transpose, ``jvp`` and ``vmap`` rules, so every ``torch.func`` transform and
+their compositions work), the custom op of :mod:`pshard._collectives.compiled` while
+``torch.compile`` traces.
 
-* ``backward`` is the transpose (``psum`` -> ``psum``, ``all_gather`` -> ``psum_scatter``,
-  ``all_to_all(split, concat)`` -> ``all_to_all(concat, split)``, ``ppermute`` -> the inverse
-  permutation, ``broadcast`` -> a sum to the source); ``pmax``/``pmin`` send the summed
-  cotangent to the ranks holding the extreme value, split evenly between ties.
-* ``jvp`` pushes the tangent through the same collective (they are linear); ``pmax``/``pmin``
-  average the tangents of the ranks holding the extreme value.
-* ``vmap`` moves the batch dim to the front and runs the collective once on the whole batch,
-  with its dims shifted by one.
-
-The rules call the differentiable collectives again (never a bare ``torch.distributed`` call),
-so higher-order derivatives (``grad(grad)``, ``hessian``, ``vmap(grad)``, ``jacfwd(jacrev)``)
-work. The SPMD convention: every rank runs the same program; a rank's gradient is the
-derivative of the sum over ranks of their scalar losses with respect to its own input, which is
-what a single process that sees every rank's values computes.
+The SPMD convention: every rank runs the same program; a rank's gradient is the derivative of
+the sum over ranks of their scalar losses with respect to its own input, which is what a single
+process that sees every rank's values computes.
 
 All ranks of an axis must pass tensors of the same shape and dtype (as in JAX; ``shard_map``
 pads uneven shards); debug mode (:func:`pshard.debug`) checks this.
@@ -31,17 +24,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._compat import transforms_active, unwrap_dead
+from .._compat import transforms_active
 from .._core.checks import check_int, normalize_dim
 from .._core.global_tensor import is_global
 from .._core.tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
-from .._runtime import wire as raw
 from .._runtime.debug import check_pytree
 from .._runtime.mesh import Axis, resolve_axis
 from .._runtime.wire import Comm as _Comm
 from .._runtime.wire import Perm
 from .._runtime.wire import comm as _comm
-from . import compiled
+from .apply import call, eager
+from .compiled import OPS
+from .rules import FUNCTIONS
+from .transposes import encode
 
 __all__ = [
     "psum",
@@ -55,300 +50,22 @@ __all__ = [
     "broadcast",
     "axis_index",
     "axis_size",
-    "call",
-    "eager",
-    "eager_rules",
 ]
 
 T = TypeVar("T")
 
-def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)``. With no ``torch.func`` transform active, skip ``Function.apply``'s
-    binding of default arguments through ``inspect.signature`` (about 20 us a call; every
-    argument here is positional, so there is nothing to bind) and do the rest of what it does.
-    While dynamo traces, a plain ``apply`` (the graph breaks inside ``torch.func`` transforms,
-    see :func:`_collective`)."""
-    if torch.compiler.is_compiling():
-        return eager(fn, *args) if transforms_active() else fn.apply(*args)
-    if transforms_active():
-        return fn.apply(*args)
-    return super(torch.autograd.Function, fn).apply(*unwrap_dead(args))
 
-
-# --- autograd / torch.func rules ------------------------------------------------------------------
-#
-# Every rule below calls a Function (through `call`), never a raw collective, so that it can
-# itself be differentiated, batched or pushed forward by an outer transform.
-
-
-def eager_rules(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
-    """Keep dynamo out of ``cls``'s rules. They run eagerly by design (a compiled region uses
-    the ops of ``compiled.py``), yet the autograd engine and ``torch.func`` call them from inside
-    a compiled function's eager parts, where dynamo would compile each frame again per shape."""
-    for name in ("forward", "backward", "jvp", "vmap"):
-        setattr(cls, name, staticmethod(torch.compiler.disable(getattr(cls, name), recursive=True)))
-    return cls
-
-
-def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
-    return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
-
-
-def _shift(bdim: int | None, *dims: int) -> tuple[int, ...]:
-    return dims if bdim is None else tuple(d + 1 for d in dims)
-
-
-def _out_dim(bdim: int | None) -> int | None:
-    return None if bdim is None else 0
-
-
-@eager_rules
-class _PSum(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, c: _Comm) -> torch.Tensor:
-        return raw.all_reduce(x, c, "psum")
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        ctx.c = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return call(_PSum, g, ctx.c), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return call(_PSum, t, ctx.c)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm) -> Any:
-        return call(_PSum, _front(x, in_dims[0]), c), _out_dim(in_dims[0])
-
-
-@eager_rules
-class _PExtreme(torch.autograd.Function):
-    """pmax (op="pmax") or pmin (op="pmin")."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, c: _Comm, op: str) -> torch.Tensor:
-        return raw.all_reduce(x, c, op)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        ctx.c = inputs[1]
-        ctx.save_for_backward(inputs[0], output)
-        ctx.save_for_forward(inputs[0], output)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        # d/dx_r sum_s <g_s, out> = (sum_s g_s) * holds_r / (number of holders)
-        x, out = ctx.saved_tensors
-        holds = (x == out).to(g.dtype)
-        both = call(_PSum, torch.stack([g, holds]), ctx.c)
-        return both[0] * holds / both[1], None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        # the mean of the holders' tangents
-        x, out = ctx.saved_tensors
-        holds = (x == out).to(t.dtype)
-        both = call(_PSum, torch.stack([t * holds, holds]), ctx.c)
-        return both[0] / both[1]
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, op: str) -> Any:
-        return call(_PExtreme, _front(x, in_dims[0]), c, op), _out_dim(in_dims[0])
-
-
-@eager_rules
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
-        return raw.all_gather(x, c, dim, tiled)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.c, ctx.dim, ctx.tiled = inputs
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return call(_PSumScatter, g, ctx.c, ctx.dim, ctx.tiled), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return call(_AllGather, t, ctx.c, ctx.dim, ctx.tiled)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dim: int, tiled: bool
-    ) -> Any:
-        (dim,) = _shift(in_dims[0], dim)
-        return call(_AllGather, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
-
-
-@eager_rules
-class _PSumScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, c: _Comm, dim: int, tiled: bool) -> torch.Tensor:
-        return raw.reduce_scatter(x, c, dim, tiled)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.c, ctx.dim, ctx.tiled = inputs
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return call(_AllGather, g, ctx.c, ctx.dim, ctx.tiled), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return call(_PSumScatter, t, ctx.c, ctx.dim, ctx.tiled)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dim: int, tiled: bool
-    ) -> Any:
-        (dim,) = _shift(in_dims[0], dim)
-        return call(_PSumScatter, _front(x, in_dims[0]), c, dim, tiled), _out_dim(in_dims[0])
-
-
-@eager_rules
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, c: _Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
-        return raw.all_to_all(x, c, split_dim, concat_dim)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.c, ctx.split_dim, ctx.concat_dim = inputs
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return call(_AllToAll, g, ctx.c, ctx.concat_dim, ctx.split_dim), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return call(_AllToAll, t, ctx.c, ctx.split_dim, ctx.concat_dim)
-
-    @staticmethod
-    def vmap(
-        info: Any,
-        in_dims: tuple[Any, ...],
-        x: torch.Tensor,
-        c: _Comm,
-        split_dim: int,
-        concat_dim: int,
-    ) -> Any:
-        split_dim, concat_dim = _shift(in_dims[0], split_dim, concat_dim)
-        out = call(_AllToAll, _front(x, in_dims[0]), c, split_dim, concat_dim)
-        return out, _out_dim(in_dims[0])
-
-
-@eager_rules
-class _PPermute(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, c: _Comm, perm: Perm) -> torch.Tensor:
-        return raw.ppermute(x, c, perm)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.c, ctx.perm = inputs
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        inverse = tuple((dst, src) for src, dst in ctx.perm)
-        return call(_PPermute, g, ctx.c, inverse), None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return call(_PPermute, t, ctx.c, ctx.perm)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, perm: Perm) -> Any:
-        return call(_PPermute, _front(x, in_dims[0]), c, perm), _out_dim(in_dims[0])
-
-
-@eager_rules
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, c: _Comm, src: int) -> torch.Tensor:
-        return raw.broadcast(x, c, src)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.c, ctx.src = inputs
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return call(_Reduce, g, ctx.c, ctx.src), None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return call(_Broadcast, t, ctx.c, ctx.src)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, src: int) -> Any:
-        return call(_Broadcast, _front(x, in_dims[0]), c, src), _out_dim(in_dims[0])
-
-
-@eager_rules
-class _Reduce(torch.autograd.Function):
-    """Sum to rank ``dst`` (zeros elsewhere): the transpose of broadcast."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, c: _Comm, dst: int) -> torch.Tensor:
-        return raw.reduce(x, c, dst)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.c, ctx.dst = inputs
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return call(_Broadcast, g, ctx.c, ctx.dst), None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        return call(_Reduce, t, ctx.c, ctx.dst)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: _Comm, dst: int) -> Any:
-        return call(_Reduce, _front(x, in_dims[0]), c, dst), _out_dim(in_dims[0])
-
-
-# --- under torch.compile -------------------------------------------------------------------------
-#
-# A collective becomes one custom op of the graph (pshard._collectives.compiled), with the Comm
-# traced as a constant whose key the op resolves again when it runs. torch.func transforms traced by
-# dynamo would get wrong tangents from a Function's custom jvp and have no rules for a custom op, so
-# inside one the graph breaks and the transform runs eagerly, with the rules above.
-
-_COLLECTIVES: dict[str, tuple[Any, Callable[..., torch.Tensor], Callable[..., tuple]]] = {
-    "psum": (_PSum, compiled.psum, lambda: ()),
-    "pextreme": (_PExtreme, compiled.pextreme, lambda op: (op,)),
-    "all_gather": (_AllGather, compiled.all_gather, lambda dim, tiled: (dim, tiled)),
-    "psum_scatter": (_PSumScatter, compiled.psum_scatter, lambda dim, tiled: (dim, tiled)),
-    "all_to_all": (_AllToAll, compiled.all_to_all, lambda split, concat: (split, concat)),
-    "ppermute": (_PPermute, compiled.ppermute, lambda perm: ([i for pair in perm for i in pair],)),
-    "broadcast": (_Broadcast, compiled.broadcast, lambda src: (src,)),
-}
-
-
-def _collective(name: str, x: torch.Tensor, c: _Comm, *rest: Any) -> torch.Tensor:
-    """Collective ``name`` of ``x`` over ``c``: its Function in eager code, its op (one node of
-    the graph) while dynamo traces."""
-    fn, op, extra = _COLLECTIVES[name]
+def _collective(name: str, x: torch.Tensor, c: _Comm, *params: Any) -> torch.Tensor:
+    """Collective ``name`` of ``x`` over ``c``: its Function in eager code; while dynamo traces,
+    its op (one node of the graph: the Comm is a constant of the trace whose key the op resolves
+    again when it runs), or the Function run eagerly inside a ``torch.func`` transform (dynamo
+    would get the Function's custom jvp wrong, and a custom op has no ``torch.func`` rules)."""
+    fn = FUNCTIONS[name]
     if not torch.compiler.is_compiling():
-        return call(fn, x, c, *rest)
+        return call(fn, x, c, *params)  # type: ignore[no-any-return]
     if transforms_active():
-        return eager(fn, x, c, *rest)
-    return op(x, c.key, c.size, c.rank, *extra(*rest))
-
-
-@torch.compiler.disable(recursive=True)
-def eager(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)`` outside the graph (a graph break), rules and all."""
-    return fn.apply(*args)
+        return eager(fn, x, c, *params)  # type: ignore[no-any-return]
+    return OPS[name](x, c.key, c.size, c.rank, *encode(name, params))  # type: ignore[no-any-return]
 
 
 # --- the public functions -------------------------------------------------------------------------

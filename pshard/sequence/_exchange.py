@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._collectives.functions import call, eager, eager_rules
+from .._collectives.apply import call, eager, eager_rules
 from .._runtime.debug import check_collective
 from .._runtime.wire import Comm
 from ._layouts import SeqLayout, along

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .._collectives.functions import call
+from .._collectives.apply import call
 from .._runtime import wire as raw
 from .._runtime.mesh import Axis
 from ._context import context_scope

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._collectives.functions import call
+from .._collectives.apply import call
 from .._runtime import wire as raw
 from ._kernels import block_kernel, finite
 from ._ring_blocks import acc_dtype, block_backward, block_forward, fold, merge, unfold
