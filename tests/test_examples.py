@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
         ("quickstart.py", ["--nprocs", "2", "--steps", "3"]),
         ("quickstart.py", ["--attention", "ring", "--microbatches", "3", "--steps", "2"]),
         ("layouts.py", []),
+        ("global_tensors.py", ["--nprocs", "2", "--steps", "3"]),
         ("microbatch.py", []),
         ("attention.py", ["--nprocs", "2"]),
         ("module_hooks.py", ["--nprocs", "2"]),

@@ -25,7 +25,7 @@ def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
         return eager(fn, *args) if transforms_active() else fn.apply(*args)
     if transforms_active():
         return fn.apply(*args)
-    return super(torch.autograd.Function, fn).apply(*unwrap_dead(args))
+    return super(torch.autograd.Function, fn).apply(*unwrap_dead(args))  # type: ignore[misc]
 
 
 @torch.compiler.disable(recursive=True)

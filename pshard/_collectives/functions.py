@@ -62,10 +62,10 @@ def _collective(name: str, x: torch.Tensor, c: _Comm, *params: Any) -> torch.Ten
     would get the Function's custom jvp wrong, and a custom op has no ``torch.func`` rules)."""
     fn = FUNCTIONS[name]
     if not torch.compiler.is_compiling():
-        return call(fn, x, c, *params)  # type: ignore[no-any-return]
+        return call(fn, x, c, *params)
     if transforms_active():
-        return eager(fn, x, c, *params)  # type: ignore[no-any-return]
-    return OPS[name](x, c.key, c.size, c.rank, *encode(name, params))  # type: ignore[no-any-return]
+        return eager(fn, x, c, *params)
+    return OPS[name](x, c.key, c.size, c.rank, *encode(name, params))
 
 
 # --- the public functions -------------------------------------------------------------------------

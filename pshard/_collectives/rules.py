@@ -53,7 +53,7 @@ def _linear(name: str) -> type[torch.autograd.Function]:
 
     class Linear(torch.autograd.Function):
         @staticmethod
-        def forward(x: torch.Tensor, c: Comm, *params: Any) -> torch.Tensor:  # type: ignore[override]
+        def forward(x: torch.Tensor, c: Comm, *params: Any) -> torch.Tensor:
             return raw(x, c, *params)
 
         @staticmethod
@@ -61,13 +61,13 @@ def _linear(name: str) -> type[torch.autograd.Function]:
             ctx.c, ctx.params = inputs[1], inputs[2:]
 
         @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
             other, params = transpose(name, ctx.params)
             return (call(FUNCTIONS[other], g, ctx.c, *params), None, *[None] * len(params))
 
         @staticmethod
         def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-            return call(FUNCTIONS[name], t, ctx.c, *ctx.params)  # type: ignore[no-any-return]
+            return call(FUNCTIONS[name], t, ctx.c, *ctx.params)
 
         @staticmethod
         def vmap(
@@ -79,7 +79,7 @@ def _linear(name: str) -> type[torch.autograd.Function]:
             return call(FUNCTIONS[name], _front(x, bdim), c, *batched(name, params)), 0
 
     Linear.__name__ = Linear.__qualname__ = "".join(w.title() for w in name.split("_"))
-    return eager_rules(Linear)  # type: ignore[no-any-return]
+    return eager_rules(Linear)
 
 
 @eager_rules
@@ -87,7 +87,7 @@ class PExtreme(torch.autograd.Function):
     """pmax (``op="pmax"``) or pmin (``op="pmin"``): ``(x, c, op)``."""
 
     @staticmethod
-    def forward(x: torch.Tensor, c: Comm, op: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, c: Comm, op: str) -> torch.Tensor:
         return wire.all_reduce(x, c, op)
 
     @staticmethod
@@ -97,7 +97,7 @@ class PExtreme(torch.autograd.Function):
         ctx.save_for_forward(inputs[0], output)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # d/dx_r sum_s <g_s, out> = (sum_s g_s) * holds_r / (number of holders)
         x, out = ctx.saved_tensors
         holds = (x == out).to(g.dtype)
@@ -110,7 +110,7 @@ class PExtreme(torch.autograd.Function):
         x, out = ctx.saved_tensors
         holds = (x == out).to(t.dtype)
         both = call(FUNCTIONS["psum"], torch.stack([t * holds, holds]), ctx.c)
-        return both[0] / both[1]  # type: ignore[no-any-return]
+        return both[0] / both[1]
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, c: Comm, op: str) -> Any:

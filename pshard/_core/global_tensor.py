@@ -166,11 +166,13 @@ class GlobalTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.local.dtype  # type: ignore[no-any-return]
+        dtype: torch.dtype = self.local.dtype
+        return dtype
 
     @property
     def device(self) -> torch.device:
-        return self.local.device  # type: ignore[no-any-return]
+        device: torch.device = self.local.device
+        return device
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -228,11 +230,11 @@ register_torch_pytree(
     _flatten_with_keys,
     serialized_type_name="pshard.GlobalTensor",
 )
-for _namespace in (optree.registry.__GLOBAL_NAMESPACE, "pshard"):  # type: ignore[attr-defined]
+for _namespace in (getattr(optree.registry, "__GLOBAL_NAMESPACE"), "pshard"):  # noqa: B009
     optree.register_pytree_node(
-        GlobalTensor,
+        GlobalTensor,  # type: ignore[arg-type]
         _optree_flatten,  # type: ignore[arg-type]
-        _optree_unflatten,
+        _optree_unflatten,  # type: ignore[arg-type]
         path_entry_type=optree.GetAttrEntry,
         namespace=_namespace,
     )
@@ -278,7 +280,7 @@ def spec_placements(spec: P, key: MeshKey) -> tuple[Placement, ...]:
         >>> from pshard import P
         >>> key = MeshKey(("dp", "tp"), (2, 4), tuple(range(8)), "cpu")
         >>> spec_placements(P(("tp", "dp")), key)
-        (StridedShard(dim=0, split_factor=4), Shard(0))
+        (StridedShard(0, split_factor=4), Shard(0))
     """
     position = {name: i for i, name in enumerate(key.names)}
     out: list[Placement] = [Replicate()] * len(key.names)

@@ -62,14 +62,10 @@ from typing import Any
 import optree
 import torch
 from optree import PyTreeAccessor, PyTreeEntry, PyTreeSpec
+from torch.nn.attention.flex_attention import BlockMask
 
 from .global_tensor import GlobalTensor, is_global
 from .placements import P, Placement
-
-try:
-    from torch.nn.attention.flex_attention import BlockMask as _BlockMask
-except ImportError:  # pragma: no cover - torch without flex attention
-    _BlockMask = None
 
 __all__ = [
     "NAMESPACE",
@@ -94,7 +90,7 @@ _SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype,
 
 def is_block_mask(x: Any) -> bool:
     """Whether ``x`` is a flex-attention ``BlockMask`` (a leaf split along its batch dim)."""
-    return _BlockMask is not None and isinstance(x, _BlockMask)
+    return isinstance(x, BlockMask)
 
 
 def is_opaque(x: Any) -> bool:
@@ -108,9 +104,7 @@ def is_opaque(x: Any) -> bool:
 
 
 def _wants_registration(cls: type) -> bool:
-    if issubclass(cls, (torch.Tensor, Placement)) or (
-        _BlockMask is not None and issubclass(cls, _BlockMask)
-    ):
+    if issubclass(cls, (torch.Tensor, Placement, BlockMask)):
         return False
     if not (issubclass(cls, Mapping) or dataclasses.is_dataclass(cls)):
         return False
@@ -147,15 +141,12 @@ def _register_leaf_types(leaves: list[Any]) -> bool:
 
 def _dataclass_node(cls: type) -> tuple[Callable, Callable, type[PyTreeEntry]]:
     names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    getter: Callable[[Any], tuple]
     if len(names) == 0:
-
-        def getter(obj: Any) -> tuple:
-            return ()
+        getter = lambda obj: ()  # noqa: E731
     elif len(names) == 1:
         one = operator.attrgetter(names[0])
-
-        def getter(obj: Any) -> tuple:
-            return (one(obj),)
+        getter = lambda obj: (one(obj),)  # noqa: E731
     else:
         getter = operator.attrgetter(*names)
 
@@ -188,13 +179,14 @@ def _mapping_builders(cls: type) -> list[Callable[[dict, Any], Any]]:
 
 
 def _choose_builder(cls: type, example: Any) -> Callable[[dict, Any], Any] | None:
-    items = dict(example.items())
+    items: dict[Any, Any] = dict(example.items())
     factory = getattr(example, "default_factory", None)
     for build in _mapping_builders(cls):
         try:
-            rebuilt = build(dict(items), factory)
+            rebuilt: Any = build(dict(items), factory)
+            same_type = type(rebuilt) is cls
             if (
-                type(rebuilt) is cls
+                same_type
                 and list(rebuilt.keys()) == list(items)
                 and all(rebuilt[k] is v for k, v in items.items())
             ):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .._core.checks import WIRE_DTYPES
 from .._core.layout import index_runs
-from .._core.placements import Placement
+from .._core.placements import Shard, StridedShard
 from .._runtime.wire import Comm, all_gather, all_reduce
 
 __all__ = [
@@ -76,7 +76,7 @@ class BlockLayout:
         fn: the function the errors name (``shard_map``, ``from_local``, ...).
     """
 
-    shards: tuple[Placement, ...] = ()
+    shards: tuple[Shard | StridedShard, ...] = ()
     sizes: tuple[int, ...] = ()
     coord: tuple[int, ...] = ()
     perm: tuple[int, ...] = ()
@@ -118,7 +118,7 @@ def _mesh_sizes(sizes: tuple[int, ...], perm: tuple[int, ...]) -> tuple[int, ...
 
 @functools.lru_cache(maxsize=1024)
 def _plan(
-    shards: tuple[Placement, ...],
+    shards: tuple[Shard | StridedShard, ...],
     sizes: tuple[int, ...],
     perm: tuple[int, ...],
     global_shape: tuple[int, ...],
@@ -303,12 +303,15 @@ def check_replicated(x: torch.Tensor, c: Comm, message: str) -> None:
     head[2] = x.dim()
     head[3 : 3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
     rows = all_gather(head, c, 0, False).tolist()
+
+    def global_rank(r: int) -> int:
+        return r if c.group is None else dist.get_global_rank(c.group, r)
+
     kinds = [(r[0], tuple(r[3 : 3 + r[2]])) for r in rows]
     if len(set(kinds)) > 1:
         dtypes = {zlib.crc32(str(t).encode()): str(t).removeprefix("torch.") for t in WIRE_DTYPES}
         held = ", ".join(
-            f"global rank {dist.get_global_rank(c.group, r)}: {shape} "
-            f"{dtypes.get(code, 'another dtype')}"
+            f"global rank {global_rank(r)}: {shape} {dtypes.get(code, 'another dtype')}"
             for r, (code, shape) in enumerate(kinds)
         )
         raise ValueError(f"{message}; the ranks hold different shapes or dtypes ({held})")
@@ -317,7 +320,7 @@ def check_replicated(x: torch.Tensor, c: Comm, message: str) -> None:
         return
     groups: dict[int, list[int]] = {}
     for r, row in enumerate(rows):
-        groups.setdefault(row[1], []).append(dist.get_global_rank(c.group, r))
+        groups.setdefault(row[1], []).append(global_rank(r))
     held = " vs ".join("[" + ", ".join(map(str, g)) + "]" for g in groups.values())
     raise ValueError(f"{message}; global ranks holding equal values: {held}")
 

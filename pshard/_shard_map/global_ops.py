@@ -360,7 +360,8 @@ def _gather_one(x: GlobalTensor, where: str, views: dict[Any, MeshView]) -> torc
     if view is None:
         view = views[x.meta.key] = _view(x.meta.mesh, "gather")
     lay = global_layout(x.meta, view, where)
-    return FromBlocks.apply(x.local, lay, False, 1.0, x.meta.shape, None)  # type: ignore[no-any-return]
+    out: torch.Tensor = FromBlocks.apply(x.local, lay, False, 1.0, x.meta.shape, None)
+    return out
 
 
 def _check_local(x: GlobalTensor, fn: str, where: str) -> None:

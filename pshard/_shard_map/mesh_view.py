@@ -98,7 +98,7 @@ def block_layout(
     """The layout of one leaf of ``ndim`` dims under ``spec`` (not ``Partial``) over the mapped
     axes. ``replicated=False`` leaves ``rep`` empty: the value outside is one value whose
     cotangent is not summed over the axes it is replicated on (global tensors outside a map)."""
-    pairs: list[tuple[str, Placement]]
+    pairs: list[tuple[str, Shard | StridedShard]]
     if isinstance(spec, P):
         pairs = [(name, Shard(d)) for name, d in axes_of(spec, where, view)]
     elif isinstance(spec, (Shard, StridedShard)):
