@@ -34,6 +34,7 @@ import resource
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,11 @@ def _storage_bytes(tree: object) -> int:
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def _adam(p: object, m: object, v: object, step: int) -> object:
+    c1, c2 = 1 - 0.9**step, 1 - 0.999**step
+    return p - 1e-3 * (m / c1) / ((v / c2).sqrt() + 1e-8)  # type: ignore[operator]
 
 
 def run(mode: str, width: int, layers: int, steps: int) -> dict:
@@ -112,10 +118,7 @@ def run(mode: str, width: int, layers: int, steps: int) -> dict:
         grads = step_grad(params, x)
         m = optree.tree_map(lambda m, g: 0.9 * m + 0.1 * g, m, grads)
         v = optree.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, v, grads)
-        c1, c2 = 1 - 0.9**step, 1 - 0.999**step
-        params = optree.tree_map(
-            lambda p, m, v: p - 1e-3 * (m / c1) / ((v / c2).sqrt() + 1e-8), params, m, v
-        )
+        params = optree.tree_map(partial(_adam, step=step), params, m, v)
         times.append(time.perf_counter() - start)
     _trim()
     return {
