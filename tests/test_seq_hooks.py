@@ -163,3 +163,51 @@ def test_arguments() -> None:
         ps.sequence_parallel(lambda x: x)
     with pytest.raises(ValueError, match=re.escape("sequence_parallel: layout must be one of")):
         ps.sequence_parallel(nn.Linear(1, 1), layout="ring")
+
+
+# --------------------------------------------------------------------------- debug mode
+
+
+def _same_model_worker(where: str, debug: bool) -> dict:
+    """A rank whose model differs (``where``: a parameter, a buffer, or nowhere) under
+    ``sequence_parallel`` with debug mode on or off."""
+    ps.init_mesh({"sp": 2})
+    model = TinyLM(4, 2, seed=1)
+    model.attention = sp_attention
+    model.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+    rank = ps.axis_index("sp")
+    with torch.no_grad():
+        if where == "parameter" and rank == 1:
+            model.blocks[1].wk.add_(1e-3)
+        if where == "buffer" and rank == 0:
+            model.scale[2] = 2.0
+    ids = make_batch(2, 7, seed=3)["input_ids"]
+    try:
+        with ps.debug(debug), ps.sequence_parallel(model, layout="zigzag"):
+            logits = model(ids).logits
+    except ValueError as e:
+        return {"error": str(e), "clean": not model._forward_pre_hooks}
+    return {"logits": logits.detach()}
+
+
+def test_debug_mode_checks_the_model_is_the_same_on_every_rank(pool) -> None:
+    """In debug mode, entering sequence_parallel checks that every rank of the axis holds the
+    same parameters and buffers (issue 30): a rank with other weights raises on every rank,
+    naming the first tensor that differs and the ranks, instead of each rank's tokens silently
+    going through its own weights."""
+    fix = (
+        "every rank of the sequence-parallel axis must hold the same model (load, or broadcast, "
+        "the same weights on every rank)"
+    )
+    for where, name in (("parameter", "blocks.1.wk"), ("buffer", "scale")):
+        for out in pool.run(2, _same_model_worker, where, True):
+            assert out["error"] == (
+                f"sequence_parallel(TinyLM): debug mode: {where} {name!r} differs between the "
+                f"ranks of axis 'sp'; {fix}; global ranks holding equal values: [0] vs [1]"
+            )
+            assert out["clean"]
+    # debug mode off: no check, no error (each rank's tokens use its own weights)
+    assert all("logits" in out for out in pool.run(2, _same_model_worker, "parameter", False))
+    # the same model on every rank passes the check
+    same = pool.run(2, _same_model_worker, "nowhere", True)
+    torch.testing.assert_close(same[0]["logits"], same[1]["logits"], **TOL)

@@ -306,3 +306,74 @@ def test_outputs_of_rank_dependent_strides(pool, layout) -> None:
     and placed like any other: every rank takes the same path, decided from what they share
     (a path chosen by strides left the ranks in different exchanges)."""
     assert pool.run(2, _strides_worker, layout, timeout=30.0) == [{"out": True, "grad": True}] * 2
+
+
+class _Boom(torch.autograd.Function):
+    """The identity, whose backward raises."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+class _Call:
+    """A call state whose backward scope counts how often it began and was undone."""
+
+    def __init__(self) -> None:
+        self.attended, self.attention = 0, None
+        self.begun = self.undone = 0
+
+    def backward_scope(self):
+        self.begun += 1
+
+        def undo() -> None:
+            self.undone += 1
+
+        return undo
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_contexts_recorded_for_a_backward_pass_end_with_it(fails: bool) -> None:
+    """A context recorded for the backward pass is found during the pass, and gone with what it
+    changed undone when the pass ends: after a pass that succeeds, and after one that raises
+    (the engine runs no end-of-pass callbacks then)."""
+    from pshard.sequence import _context
+    from pshard.sequence._context import SeqContext, record_for_backward
+
+    call = _Call()
+    ctx = SeqContext(("sp",), SeqLayout("zigzag", 6, 2), 0, torch.device("cpu"), None, call)
+    found = []
+
+    class _Look(torch.autograd.Function):  # the identity; its backward looks the context up
+        @staticmethod
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(c, inputs, output) -> None:
+            pass
+
+        @staticmethod
+        def backward(c, g: torch.Tensor) -> torch.Tensor:
+            found.append(find_context("sp") is ctx)
+            return g
+
+    x = torch.ones(3, requires_grad=True)
+    inner = _Look.apply(_Boom.apply(x) if fails else x)
+    y = record_for_backward(inner * 2, ctx)
+    if fails:
+        with pytest.raises(RuntimeError, match="boom"):
+            y.sum().backward()
+    else:
+        y.sum().backward()
+    assert found == [True]  # during the pass
+    assert find_context("sp") is None and not _context._PASSES  # after it
+    assert (call.begun, call.undone) == (1, 1)

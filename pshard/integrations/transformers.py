@@ -1,4 +1,6 @@
-"""Hugging Face transformers models under :func:`pshard.sequence_parallel`.
+"""Hugging Face transformers models under :func:`pshard.sequence_parallel`: the model adapter
+(:class:`pshard.sequence.adapter.ModelAdapter`) of models whose config has an
+``_attn_implementation``, registered when this module is imported (``import pshard`` does).
 
 ``transformers`` stays optional: nothing here imports it until a Hugging Face model is used.
 
@@ -34,38 +36,41 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from ..sequence._context import find_context
-from ..sequence._lm import _segments
-from ..sequence._ring import ring_attention
-from ..sequence._ulysses import ulysses_attention
-from ..sequence._usp import usp_attention
+from ..sequence._lm import (
+    ATTENTION_MASK,
+    IGNORE_INDEX,
+    LABELS,
+    NUM_ITEMS_IN_BATCH,
+    POSITION_IDS,
+    SHIFT_LABELS,
+    segment_ids_of,
+    shift_labels,
+)
+from ..sequence.adapter import (
+    PreparedCall,
+    Reduce,
+    plugged_attention,
+    register_adapter,
+    run_attention,
+)
 
-__all__ = ["attention_name", "is_hf_model", "plug", "prepare_call", "replug"]
+__all__ = ["TransformersAdapter"]
 
 _PREFIX = "pshard|"
-_ATTENTION = {"ulysses": ulysses_attention, "ring": ring_attention}
 
 
-def is_hf_model(model: Any) -> bool:
-    """Whether ``model`` looks like a transformers model (a config with an attention
-    implementation)."""
-    config = getattr(model, "config", None)
-    return config is not None and hasattr(config, "_attn_implementation")
+def _config(model: nn.Module) -> Any:
+    return getattr(model, "config", None)
 
 
 def _own(name: str | None) -> str:
     return name[len(_PREFIX) :] if name and name.startswith(_PREFIX) else (name or "eager")
 
 
-def attention_name(model: Any) -> str:
-    """The model's attention implementation now."""
-    return model.config._attn_implementation
-
-
 def _hf_attention(
-    module: Any,
+    module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -77,12 +82,11 @@ def _hf_attention(
 ) -> tuple[torch.Tensor, None]:
     """What transformers calls for ``"pshard|<own>"``: q, k, v are ``(batch, heads, seq,
     head_size)``; returns ``(batch, seq, heads, head_size)`` and no attention weights."""
-    ctx = find_context(None, query.shape[2])
-    call = None if ctx is None else ctx.call
-    if call is None or getattr(call, "attention", None) is None:
+    plugged = plugged_attention(query.shape[2])
+    if plugged is None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        own = _own(module.config._attn_implementation)
+        own = _own(_config(module)._attn_implementation)
         if own == "eager":  # not in the interface: the model file's own eager attention
             fallback = getattr(
                 sys.modules.get(type(module).__module__), "eager_attention_forward", None
@@ -104,19 +108,10 @@ def _hf_attention(
             f"match one process (every rank would draw its own mask): set the config's "
             f"attention_dropout to 0, or call model.eval()"
         )
-    options = {
-        "causal": bool(getattr(module, "is_causal", True)),
-        "segment_ids": call.segments,
-        "window": sliding_window,
-        "seq_dim": 2,
-        "head_dim": 1,
-        "scale": scaling,
-    }
-    if call.attention == "usp":  # axis = (ring_axis, ulysses_axis)
-        ring, ulysses = call.axis
-        out = usp_attention(query, key, value, ulysses_axis=ulysses, ring_axis=ring, **options)
-    else:
-        out = _ATTENTION[call.attention](query, key, value, axis=call.axis, **options)
+    out = run_attention(
+        plugged, query, key, value, causal=bool(getattr(module, "is_causal", True)),
+        window=sliding_window, scale=scaling, seq_dim=2, head_dim=1,
+    )  # fmt: skip
     return out.transpose(1, 2), None
 
 
@@ -127,40 +122,19 @@ def _register(name: str) -> None:
         AttentionInterface.register(name, _hf_attention)
 
 
-def plug(model: Any, attention: str) -> Callable[[], None]:
-    """Make ``model`` use pshard's attention; returns the function that restores its own."""
-    own = attention_name(model)
-    if own and own.startswith(_PREFIX):
-        raise RuntimeError(
-            f"sequence_parallel({type(model).__name__}): the model's attention is already "
-            f"pshard's ({own!r}): sequence_parallel cannot be nested on one model"
-        )
-    name = _PREFIX + (own or "eager")
-    _register(name)
-    model.config._attn_implementation = name
-
-    def restore() -> None:
-        model.config._attn_implementation = own
-
-    return restore
-
-
-def replug(model: Any, name: str) -> Callable[[], None] | None:
-    """For a backward pass through a call made inside the block: recomputed (checkpointed)
-    layers must run the attention the forward ran, even after the block restored the model's
-    own. Plugs ``name`` for the pass if the model is not using it; returns the undo."""
-    own = attention_name(model)
-    if own == name:
-        return None
-    model.config._attn_implementation = name
+def _set_attention(model: nn.Module, name: str) -> Callable[[], None]:
+    """Set the model's attention implementation to ``name``; returns the undo."""
+    config = _config(model)
+    own = config._attn_implementation
+    config._attn_implementation = name
 
     def undo() -> None:
-        model.config._attn_implementation = own
+        config._attn_implementation = own
 
     return undo
 
 
-def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
+def _refuse(model: nn.Module, kwargs: dict[str, Any]) -> None:
     name = type(model).__name__
     cache = kwargs.get("past_key_values")
     if cache is not None:
@@ -175,7 +149,7 @@ def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
             f"cannot be used inside the block: each rank holds only its tokens' keys and values; "
             f"pass use_cache=False, or generate outside the block"
         )
-    config = getattr(model, "config", None)
+    config = _config(model)
     if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
         raise ValueError(
             f"sequence_parallel({name}): output_attentions=True cannot be honoured: "
@@ -184,40 +158,98 @@ def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
         )
 
 
-def prepare_call(
-    model: Any, kwargs: dict[str, Any], accepts: Callable[[str], bool], length: int
-) -> tuple[dict[str, Any], torch.Tensor | None, bool]:
-    """The whole-sequence side of a call: refusals, ``use_cache=False``, labels shifted over
-    the whole sequence, the whole batch's ``num_items_in_batch``, and the segment ids of padding
-    and packed rows. Returns ``(kwargs, segment ids or None, whether the model's loss is a
-    per-rank share to sum)``."""
-    _refuse(model, kwargs)
-    kwargs = dict(kwargs)
-    if accepts("use_cache"):
-        kwargs["use_cache"] = False
-    mask = kwargs.get("attention_mask")
-    positions = kwargs.get("position_ids")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-        raise ValueError(
-            f"sequence_parallel({type(model).__name__}): attention_mask must be a (batch, seq) "
-            f"tensor of 1 (token) and 0 (padding); a 4-D or custom mask cannot be split by "
-            f"position: pass padding as attention_mask and packed documents as position_ids"
-        )
-    segments = _segments(
-        positions if isinstance(positions, torch.Tensor) and positions.dim() == 2 else None,
-        mask,
-    )
-    labels = kwargs.get("labels")
-    share = False
-    if isinstance(labels, torch.Tensor):
-        if labels.dim() != 2 or labels.shape[1] != length:
-            raise ValueError(
-                f"sequence_parallel({type(model).__name__}): labels must be (batch, seq) with "
-                f"seq = {length}, got shape {tuple(labels.shape)}"
+class TransformersAdapter:
+    """The :class:`~pshard.sequence.adapter.ModelAdapter` of Hugging Face transformers models
+    (see the module docs)."""
+
+    name = "transformers"
+    interface = "a Hugging Face model's attention interface (a config._attn_implementation)"
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether ``model`` looks like a transformers model (a config with an attention
+        implementation)."""
+        config = _config(model)
+        return config is not None and hasattr(config, "_attn_implementation")
+
+    def attention_name(self, model: nn.Module) -> str:
+        """The model's attention implementation now."""
+        return str(_config(model)._attn_implementation)
+
+    def plug(self, model: nn.Module) -> Callable[[], None]:
+        """Make ``model`` use pshard's attention; returns the function that restores its own."""
+        own = _config(model)._attn_implementation
+        if own and own.startswith(_PREFIX):
+            raise RuntimeError(
+                f"sequence_parallel({type(model).__name__}): the model's attention is already "
+                f"pshard's ({own!r}): sequence_parallel cannot be nested on one model"
             )
-        if kwargs.get("shift_labels") is None:
-            kwargs["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=-100)
-        if kwargs.get("num_items_in_batch") is None:
-            kwargs["num_items_in_batch"] = (kwargs["shift_labels"] != -100).sum()
-        share = True
-    return kwargs, segments, share
+        name = _PREFIX + (own or "eager")
+        _register(name)
+        return _set_attention(model, name)
+
+    def use_attention(self, model: nn.Module, name: str) -> Callable[[], None] | None:
+        """For a backward pass through a call made inside the block: recomputed (checkpointed)
+        layers must run the attention the forward ran, even after the block restored the
+        model's own. Plugs ``name`` for the pass if the model is not using it; returns the
+        undo."""
+        if self.attention_name(model) == name:
+            return None
+        return _set_attention(model, name)
+
+    def prepare(
+        self,
+        model: nn.Module,
+        kwargs: dict[str, Any],
+        accepts: Callable[[str], bool],
+        length: int,
+    ) -> PreparedCall:
+        """The whole-sequence side of a call: refusals, ``use_cache=False``, labels shifted
+        over the whole sequence, the whole batch's ``num_items_in_batch``, and the segment ids
+        of padding and packed rows; the model's loss is then each rank's share."""
+        _refuse(model, kwargs)
+        kwargs = dict(kwargs)
+        if accepts("use_cache"):
+            kwargs["use_cache"] = False
+        mask = kwargs.get(ATTENTION_MASK)
+        positions = kwargs.get(POSITION_IDS)
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+            raise ValueError(
+                f"sequence_parallel({type(model).__name__}): {ATTENTION_MASK} must be a (batch, "
+                f"seq) tensor of 1 (token) and 0 (padding); a 4-D or custom mask cannot be split "
+                f"by position: pass padding as {ATTENTION_MASK} and packed documents as "
+                f"{POSITION_IDS}"
+            )
+        segments = segment_ids_of(
+            positions if isinstance(positions, torch.Tensor) and positions.dim() == 2 else None,
+            mask,
+        )
+        labels = kwargs.get(LABELS)
+        share = False
+        if isinstance(labels, torch.Tensor):
+            if labels.dim() != 2 or labels.shape[1] != length:
+                raise ValueError(
+                    f"sequence_parallel({type(model).__name__}): {LABELS} must be (batch, seq) "
+                    f"with seq = {length}, got shape {tuple(labels.shape)}"
+                )
+            if kwargs.get(SHIFT_LABELS) is None:
+                kwargs[SHIFT_LABELS] = shift_labels(labels, IGNORE_INDEX)
+            if kwargs.get(NUM_ITEMS_IN_BATCH) is None:
+                kwargs[NUM_ITEMS_IN_BATCH] = (kwargs[SHIFT_LABELS] != IGNORE_INDEX).sum()
+            share = True
+        return PreparedCall(kwargs, segments, share)
+
+    def sum_loss(self, output: Any, reduce: Reduce) -> Any:
+        """The loss of a ``ModelOutput`` (``output.loss``, also ``output[0]`` of a tuple)
+        summed over the ranks."""
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (reduce(output[0], "output[0]"), *output[1:])
+        try:
+            loss = output["loss"]
+        except (KeyError, TypeError, IndexError):
+            return output
+        if loss is not None:
+            output["loss"] = reduce(loss, "output['loss']")
+        return output
+
+
+register_adapter(TransformersAdapter())

@@ -8,23 +8,32 @@ exceptions).
 
 **Recomputation in the backward pass.** Activation checkpointing (``torch.utils.checkpoint``,
 reentrant or not) runs parts of ``fn`` again during the backward pass, long after the map has
-returned, so the context variable is empty by then. The map therefore records its context with
-the forward: every floating output of the mapped function passes through an identity
-(:func:`record_for_backward`) whose backward, which runs before anything inside the map is
-differentiated, files the context under the running backward pass (its graph task). During that
-pass :func:`find_context` finds it there when the context variable has none; the entry is
-dropped when the pass ends. Several maps in one backward pass are told apart by their axis and,
-for the attention functions, by the number of local tokens they are given; when two *different*
-contexts still fit (say, sequences of 7 and 8 tokens, both 4 per rank on 2 ranks) a recompute
-cannot tell which it belongs to and :func:`find_context` raises rather than guessing. That
-registry, keyed by live backward passes and emptied as each ends, is the only
-state kept outside a context variable: the backward pass may run on another thread (the
-autograd engine's device threads), where context variables do not reach.
+returned, so the context variable is empty by then, and the backward pass may run on another
+thread (the autograd engine's device threads), where context variables do not reach. The map
+therefore records its context with the forward: every floating output of the mapped function
+passes through an identity (:func:`record_for_backward`) whose backward, which runs before
+anything inside the map is differentiated, files the context under the running backward pass
+(its graph task, :func:`pshard._compat.graph_task_id`). During that pass :func:`find_context`
+finds it there when the context variable has none. Several maps in one backward pass are told
+apart by their axis and, for the attention functions, by the number of local tokens they are
+given; when two *different* contexts still fit (say, sequences of 7 and 8 tokens, both 4 per
+rank on 2 ranks) a recompute cannot tell which it belongs to and :func:`find_context` raises
+rather than guessing.
+
+That registry (graph task -> what its pass recorded) is the only state kept outside a context
+variable, and no entry outlives its backward pass: the first filing of a pass hands the autograd
+engine an end-of-pass callback, which the engine calls when the pass succeeds and drops, with
+the graph task, when it fails; a finalizer on the callback ends the pass either way, so the
+entry goes (and what the pass changed is undone, see ``CallState.backward_scope``) also after a
+backward pass that raised.
 
 Internal interface:
 
-- ``SeqContext(axis, layout, rank, device, mesh)``: one entry (``axis`` as a tuple of mesh-axis
-  names, or a ``ProcessGroup``); ``positions()`` gives this rank's positions as an int64 tensor.
+- ``SeqContext(axis, layout, rank, device, mesh, call)``: one entry (``axis`` as a tuple of
+  mesh-axis names, or a ``ProcessGroup``); ``positions()`` gives this rank's positions as an
+  int64 tensor.
+- ``CallState``: what a context carries of the ``sequence_parallel`` call it belongs to;
+  ``SeqAttention``: the attention that call plugged into the model, if any.
 - ``sequence_context(ctx)``: context manager pushing ``ctx``.
 - ``find_context(axis, local_length=None)``: the innermost entry for ``axis`` (``None`` when
   there is none); ``local_length`` (the caller's tokens) tells recorded entries apart.
@@ -39,19 +48,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._collectives.functions import call
+from .._collectives.apply import call
+from .._compat import graph_task_id
 from .._core.tree import tree_map
 from .._runtime.mesh import Axis, use_mesh
 from ._layouts import SeqLayout
 
 __all__ = [
+    "CallState",
+    "SeqAttention",
     "SeqContext",
     "context_scope",
     "find_context",
@@ -75,6 +88,40 @@ def normalize_axis(axis: Axis) -> tuple[str, ...] | dist.ProcessGroup:
     return axis
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class SeqAttention:
+    """The sequence-parallel attention ``sequence_parallel(model, attention=...)`` plugged into
+    the model, for one call: ``kind`` (``"ulysses"``, ``"ring"`` or ``"usp"``), the call's
+    ``axis`` (normalised; ``(ring_axis, ulysses_axis)`` for ``"usp"``) and this rank's segment
+    ids (``(batch, local tokens)``, or ``None``). :func:`pshard.sequence.adapter.run_attention`
+    runs it."""
+
+    kind: str
+    axis: tuple[str, ...]
+    segment_ids: torch.Tensor | None
+
+
+class CallState(Protocol):
+    """What a sequence context carries of the ``sequence_parallel`` call it belongs to (the
+    hooks' per-call state, compared by identity).
+
+    Attributes:
+        attended: how many sequence-parallel attention calls ran during the call (the attention
+            functions count themselves, through :meth:`SeqContext.attended`).
+        attention: the attention plugged into the model for the call, or ``None``.
+    """
+
+    attended: int
+
+    @property
+    def attention(self) -> SeqAttention | None: ...
+
+    def backward_scope(self) -> Callable[[], None] | None:
+        """Runs when a backward pass through the call begins (its first recorded output is
+        differentiated); returns what to undo when that pass ends, or ``None``."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class SeqContext:
     """This rank's part of one split sequence.
@@ -85,18 +132,15 @@ class SeqContext:
         rank: this rank's index on the axis.
         device: where position tensors are made.
         mesh: the mesh ``axis`` names axes of (``None``: the current mesh).
-        call: per-call state of the ``sequence_parallel`` hooks (compared by identity), or
-            ``None``; the attention functions count their calls on its ``attended``, and its
-            ``backward_scope()``, if any, runs when a backward pass through the call begins and
-            returns what to undo when that pass ends.
+        call: the ``sequence_parallel`` call the context belongs to, or ``None``.
     """
 
-    axis: Any
+    axis: tuple[str, ...] | dist.ProcessGroup
     layout: SeqLayout
     rank: int
     device: torch.device
     mesh: DeviceMesh | None = None
-    call: Any = None
+    call: CallState | None = None
 
     def attended(self) -> None:
         """Note that a sequence-parallel attention ran in this context."""
@@ -119,33 +163,66 @@ def sequence_context(ctx: SeqContext) -> Iterator[SeqContext]:
         _STACK.reset(token)
 
 
-# graph task id of a running backward pass -> the contexts recorded by the maps it went through
-_IN_BACKWARD: dict[int, list[SeqContext]] = {}
+class _Pass:
+    """What one running backward pass recorded: the contexts of the maps it went through, and
+    what to undo when it ends."""
+
+    def __init__(self) -> None:
+        self.contexts: list[SeqContext] = []
+        self.undo: list[Callable[[], None]] = []
+
+
+# graph task id of a running backward pass -> what it recorded (see the module docs); written and
+# read from the threads the backward passes run on (each dict operation holds the GIL)
+_PASSES: dict[int, _Pass] = {}
+
+
+def _end(task: int) -> None:
+    """Backward pass ``task`` ended: forget what it recorded and undo what it changed."""
+    done = _PASSES.pop(task, None)
+    if done is not None:
+        for undo in reversed(done.undo):
+            undo()
+
+
+class _OnEnd:
+    """The end-of-pass callback of one graph task. The engine calls it when the pass succeeds
+    and drops it with the graph task when the pass fails; its finalizer ends the pass in both
+    cases (a second :func:`_end` finds nothing)."""
+
+    def __init__(self, task: int) -> None:
+        self.task = task
+        weakref.finalize(self, _end, task)
+
+    def __call__(self) -> None:
+        _end(self.task)
+
+
+def _at_end_of_pass(callback: Callable[[], None]) -> None:
+    """Have the autograd engine call ``callback`` when the running backward pass succeeds."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _file(ctx: SeqContext) -> None:
-    task = torch._C._current_graph_task_id()
+    task = graph_task_id()
     if task < 0:  # pragma: no cover - a backward runs inside a graph task
         return
-    live = _IN_BACKWARD.get(task)
+    live = _PASSES.get(task)
     if live is None:
-        live = _IN_BACKWARD[task] = []
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: _IN_BACKWARD.pop(task, None)
-        )
-    if ctx not in live:
-        live.append(ctx)
-        scope = getattr(ctx.call, "backward_scope", None)
-        undo = scope() if scope is not None else None
+        live = _PASSES[task] = _Pass()
+        _at_end_of_pass(_OnEnd(task))
+    if ctx not in live.contexts:
+        live.contexts.append(ctx)
+        undo = None if ctx.call is None else ctx.call.backward_scope()
         if undo is not None:  # e.g. a model's attention plugged again for the recomputation
-            torch.autograd.Variable._execution_engine.queue_callback(undo)
+            live.undo.append(undo)
 
 
 class _Record(torch.autograd.Function):
     """The identity; its backward files the context for the rest of the backward pass."""
 
     @staticmethod
-    def forward(x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
@@ -181,8 +258,8 @@ def record_for_backward(tree: Any, ctx: SeqContext) -> Any:
 
 def _recorded(axis: Axis | None, local_length: int | None) -> SeqContext | None:
     """The context a running backward pass recorded for ``axis``, for a recompute."""
-    task = torch._C._current_graph_task_id()
-    live = _IN_BACKWARD.get(task, ()) if task >= 0 else ()
+    running = _PASSES.get(graph_task_id())
+    live = running.contexts if running is not None else []
     key = None if axis is None else normalize_axis(axis)
     found = [ctx for ctx in live if key is None or ctx.axis == key]
     if len(found) > 1 and local_length is not None:

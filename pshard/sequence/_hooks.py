@@ -3,31 +3,36 @@
 For models whose code you do not want to rewrite as a function (Hugging Face models): while the
 context manager is active, each call of the model
 
-1. (pre-hook) binds positional arguments to their names by the ``forward`` signature, adds
-   ``position_ids`` when absent (``arange(seq_len)``, before sharding, so they are the true
-   positions), turns an int ``logits_to_keep`` into a boolean mask over the whole sequence,
-   and splits every tensor argument whose dim 1 is the sequence (the length of ``input_ids`` or
-   ``inputs_embeds``) exactly as :func:`pshard.shard_map_seq` does (pad, permute, take this
-   rank's block); labels are padded with -100, everything else with 0 (``logits_to_keep``
-   with ``False``); Hugging Face models also get their conventions applied (see
-   :func:`sequence_parallel`);
+1. (pre-hook) binds positional arguments to their names by the ``forward`` signature; when a
+   model adapter knows the model (:mod:`pshard.sequence.adapter`), lets it prepare the whole
+   call (refusals, labels shifted over the whole sequence, segment ids of padding and packed
+   documents); adds ``position_ids`` when absent (``arange(seq_len)``, before sharding, so they
+   are the true positions), turns an int ``logits_to_keep`` into a boolean mask over the whole
+   sequence, and splits every tensor argument whose dim 1 is the sequence (the length of
+   ``input_ids`` or ``inputs_embeds``) exactly as :func:`pshard.shard_map_seq` does (pad,
+   permute, take this rank's block); labels are padded with -100, everything else with 0
+   (``logits_to_keep`` with ``False``). The argument names are pshard's causal-LM batch
+   convention (:mod:`pshard.sequence._lm`);
 2. runs ``forward`` inside the sequence context, so ``ps.ulysses_attention`` and
-   ``ps.seq_positions`` inside the model know the layout;
+   ``ps.seq_positions`` inside the model know the layout (and an attention the adapter plugged
+   finds the call's, :func:`pshard.sequence.adapter.plugged_attention`);
 3. (post-hook) gathers every output tensor whose dim 1 is this rank's tokens (and ``logits``
-   restricted by ``logits_to_keep``) back into the whole sequence, un-permuted and unpadded.
+   restricted by ``logits_to_keep``) back into the whole sequence, un-permuted and unpadded;
+   a loss the adapter says is this rank's share is summed over the axis.
 
 Gradients: a gathered output is a whole value, the same on every rank, whose cotangent each
 rank slices, and a split input's transpose puts the cotangent back at this rank's positions
 (no communication either way). Each rank's parameter and input gradients are therefore its own
 tokens' share; :func:`reduce_gradients` (a ``psum`` of every ``.grad`` over the axis) completes
-them. The boundary itself is :class:`pshard.sequence._seq_boundary.SeqBoundary`; Hugging Face
-conventions live in :mod:`pshard.integrations.transformers`.
+them. The boundary itself is :class:`pshard.sequence._seq_boundary.SeqBoundary`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,34 +42,53 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._collectives.functions import all_gather
 from .._core.checks import axis_names
 from .._core.tree import describe, tree_flatten_with_path, tree_unflatten
-from .._runtime.mesh import Axis, current_mesh, resolve_axis, use_mesh
-from .._runtime.wire import all_reduce, comm
-from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
+from .._runtime.debug import debug_enabled
+from .._runtime.mesh import Axis, AxisInfo, current_mesh, resolve_axis, use_mesh
+from .._runtime.wire import Comm, all_reduce, comm
+from .._shard_map.boundary import check_replicated
+from ._context import SeqAttention, SeqContext, record_for_backward, sequence_context
 from ._layouts import SeqLayout, check_layout, pad_permute
+from ._lm import (
+    IGNORE_INDEX,
+    LABEL_KEYS,
+    LOGITS,
+    LOGITS_TO_KEEP,
+    POSITION_IDS,
+    SEQUENCE_KEYS,
+)
 from ._seq_boundary import SeqBoundary
+from .adapter import ATTENTIONS, ModelAdapter, PreparedCall, find_adapter, registered_adapters
 
 __all__ = ["SequenceParallel", "reduce_gradients", "sequence_parallel"]
 
 _FN = "sequence_parallel"
-_LABEL_KEYS = frozenset({"labels", "shift_labels"})
-_KEEP = "logits_to_keep"
 
 
 class _Call:
     """One call of the model: what the post-hook needs from its pre-hook, and what the
-    sequence context carries for the attention (compared by identity)."""
+    sequence context carries of it (a :class:`~pshard.sequence._context.CallState`)."""
 
-    def __init__(self, boundary: SeqBoundary, keep: torch.Tensor | None, axis: Any) -> None:
+    def __init__(
+        self,
+        boundary: SeqBoundary,
+        keep: torch.Tensor | None,
+        prepared: PreparedCall | None,
+        attention: SeqAttention | None,
+        rescope: Callable[[], Callable[[], None] | None] | None,
+    ) -> None:
         self.boundary = boundary
-        self.keep = keep
-        self.axis = axis
-        self.attention: str | None = None  # the plugged attention (Hugging Face models)
-        self.segments: torch.Tensor | None = None  # this rank's segment ids
-        self.share = False  # the model's loss is this rank's share of the loss
+        self.keep = keep  # logits_to_keep over the whole sequence, when it keeps some
+        self.prepared = prepared  # what the model adapter made of the call, if any
+        self.attention = attention  # the attention plugged for the call, if any
+        self._rescope = rescope
         self.attended = 0  # sequence-parallel attention calls during the forward
-        self.scopes: list[Any] = []
-        self.context: SeqContext | None = None
-        self.backward_scope: Any = None  # see SeqContext.call
+        self.context: SeqContext | None = None  # the call's sequence context
+        self.scopes: list[contextlib.AbstractContextManager[Any]] = []
+
+    def backward_scope(self) -> Callable[[], None] | None:
+        """A backward pass through the call plugs its attention again for recomputed layers
+        (see :mod:`pshard.sequence._context`)."""
+        return None if self._rescope is None else self._rescope()
 
 
 class SequenceParallel:
@@ -90,9 +114,9 @@ class SequenceParallel:
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"{_FN}: mesh must be a DeviceMesh, got {describe(mesh)}")
         self._name = type(model).__name__
-        self._hf = _hf_model(model)
+        self._adapter = find_adapter(model)
         if attention is not None:
-            if attention not in ("ulysses", "ring", "usp"):
+            if attention not in ATTENTIONS:
                 raise ValueError(
                     f"{_FN}({self._name}): attention must be None, 'ulysses', 'ring' or 'usp', "
                     f"got {attention!r}"
@@ -102,12 +126,13 @@ class SequenceParallel:
                     f"{_FN}({self._name}): attention='usp' needs axis=(ring_axis, ulysses_axis), "
                     f"two mesh axes (the ring across, Ulysses inside), got axis={axis!r}"
                 )
-            if not self._hf:
+            if self._adapter is None:
+                interfaces = " or ".join(a.interface for a in registered_adapters())
                 raise TypeError(
-                    f"{_FN}({self._name}): attention={attention!r} plugs into a Hugging Face "
-                    f"model's attention interface, and this model has no "
-                    f"config._attn_implementation; call ps.{attention}_attention inside its "
-                    f"forward instead and leave attention=None"
+                    f"{_FN}({self._name}): attention={attention!r} plugs into "
+                    f"{interfaces or 'the attention of a model a model adapter knows'}, and no "
+                    f"registered model adapter knows {self._name}; call ps.{attention}_attention "
+                    f"inside its forward instead and leave attention=None"
                 )
         self.model = model
         self.axis = axis
@@ -119,7 +144,8 @@ class SequenceParallel:
         self._signature = inspect.signature(model.forward)
         self._handles: list[Any] = []
         self._calls: list[_Call] = []
-        self._restore: Any = None
+        self._restore: Callable[[], None] | None = None
+        self._check_model = False  # debug mode: check the model before the next call
 
     # --- context manager ---------------------------------------------------------------------
 
@@ -133,17 +159,23 @@ class SequenceParallel:
                     f"cannot be nested on one model (its tokens are split once): leave the "
                     f"outer block first"
                 )
-        if self._attention is not None:
-            from ..integrations.transformers import plug
-
-            self._restore = plug(self.model, self._attention)
+        self._check_model = debug_enabled()
+        if self._check_model:
+            try:
+                mesh = current_mesh() if self._mesh is None else self._mesh
+            except RuntimeError:  # no mesh yet: checked at the first call
+                pass
+            else:
+                self._same_model(resolve_axis(self._names, mesh=mesh, fn=_FN))
+        if self._attention is not None and self._adapter is not None:
+            self._restore = self._adapter.plug(self.model)
         self._handles = [
             self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
             self.model.register_forward_hook(self._post, always_call=True),
         ]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -157,9 +189,41 @@ class SequenceParallel:
         """``reduce_gradients(self.model, self.axis)``: complete the parameter gradients."""
         reduce_gradients(self.model, self.axis, mesh=self._mesh)
 
+    def _same_model(self, info: AxisInfo) -> None:
+        """Debug mode: every rank of the axis holds the same parameters and buffers (each
+        rank's tokens go through its own), else a ``ValueError`` on every rank naming the first
+        that differs and the ranks."""
+        self._check_model = False
+        if info.group is None:
+            return
+        c = Comm(info.group, info.size, info.rank, info.name, True, info.order)
+        tensors: list[tuple[str, str, torch.Tensor]] = [
+            ("parameter", n, t) for n, t in self.model.named_parameters()
+        ]
+        tensors += [("buffer", n, t) for n, t in self.model.named_buffers()]
+        fix = (
+            "every rank of the sequence-parallel axis must hold the same model (load, or "
+            "broadcast, the same weights on every rank)"
+        )
+        names = "\n".join(f"{kind} {name}" for kind, name, _ in tensors)
+        device = _local(tensors[0][2]).device if tensors else torch.device("cpu")
+        check_replicated(
+            torch.tensor([zlib.crc32(names.encode())], dtype=torch.int64, device=device),
+            c,
+            f"{_FN}({self._name}): debug mode: the ranks of axis {info.name!r} hold models with "
+            f"different parameters or buffers (by name); {fix}",
+        )
+        for kind, name, t in tensors:
+            check_replicated(
+                _local(t).detach(),
+                c,
+                f"{_FN}({self._name}): debug mode: {kind} {name!r} differs between the ranks of "
+                f"axis {info.name!r}; {fix}",
+            )
+
     # --- hooks -------------------------------------------------------------------------------
 
-    def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
         kwargs = dict(kwargs)
         used = 0
         for p in self._signature.parameters.values():
@@ -177,37 +241,37 @@ class SequenceParallel:
             p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
         )
 
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         mesh = current_mesh() if self._mesh is None else self._mesh
         rest, kwargs = self._bind(args, kwargs)
         ref = next(
-            (
-                kwargs[k]
-                for k in ("input_ids", "inputs_embeds")
-                if isinstance(kwargs.get(k), torch.Tensor)
-            ),
+            (kwargs[k] for k in SEQUENCE_KEYS if isinstance(kwargs.get(k), torch.Tensor)),
             None,
         )
         if ref is None or ref.dim() < 2:
+            first, second = SEQUENCE_KEYS
             raise ValueError(
-                f"{_FN}({self._name}): the call has no 'input_ids' or 'inputs_embeds' tensor of "
+                f"{_FN}({self._name}): the call has no {first!r} or {second!r} tensor of "
                 f"shape (batch, seq, ...) to read the sequence length from (arguments: "
-                f"{sorted(kwargs)}); pass the sequence as input_ids= or inputs_embeds="
+                f"{sorted(kwargs)}); pass the sequence as {first}= or {second}="
             )
         length = ref.shape[1]
         info = resolve_axis(self._names, mesh=mesh, fn=_FN)
+        if self._check_model:
+            self._same_model(info)
         layout = SeqLayout(self._layout, length, info.size)
         boundary = SeqBoundary(_FN, mesh, self._names, layout)
-        segments, share = None, False
-        if self._hf:
-            from ..integrations.transformers import prepare_call
-
-            kwargs, segments, share = prepare_call(module, kwargs, self._accepts, length)
-        if kwargs.get("position_ids") is None and self._accepts("position_ids"):
-            kwargs["position_ids"] = (
+        prepared = None
+        if self._adapter is not None:
+            prepared = self._adapter.prepare(module, kwargs, self._accepts, length)
+            kwargs = prepared.kwargs
+        if kwargs.get(POSITION_IDS) is None and self._accepts(POSITION_IDS):
+            kwargs[POSITION_IDS] = (
                 torch.arange(length, device=ref.device).unsqueeze(0).expand(ref.shape[0], length)
             )
-        keep = kwargs.get(_KEEP)
+        keep = kwargs.get(LOGITS_TO_KEEP)
         if keep is not None and not isinstance(keep, torch.Tensor):
             k = int(keep)
             keep = torch.arange(length, device=ref.device) >= (length - k if k else 0)
@@ -215,14 +279,16 @@ class SequenceParallel:
         if whole_keep is not None and bool(whole_keep.all()):
             # every position kept: let every rank compute all of its logits (a mask would give
             # the rank holding the padding fewer, and the gather would not match)
-            kwargs[_KEEP], whole_keep = 0, None
+            kwargs[LOGITS_TO_KEEP], whole_keep = 0, None
 
         out = {}
         for key, value in kwargs.items():
-            if key == _KEEP and whole_keep is not None:
+            if key == LOGITS_TO_KEEP and whole_keep is not None:
                 out[key] = boundary.split(whole_keep, 0, False)
             elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
-                pad = -100 if key in _LABEL_KEYS else False if value.dtype == torch.bool else 0
+                pad = (
+                    IGNORE_INDEX if key in LABEL_KEYS else False if value.dtype == torch.bool else 0
+                )
                 out[key] = boundary.split(value, 1, pad)
             else:
                 out[key] = value
@@ -230,20 +296,20 @@ class SequenceParallel:
             boundary.split(x, 1, 0)
             if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == length
             else x
-            for i, x in enumerate(rest)
+            for x in rest
         )
-        call = _Call(boundary, whole_keep, normalize_axis(self._names))
-        call.attention, call.share = self._attention, share
-        if self._attention is not None:
-            from ..integrations.transformers import attention_name, replug
-
-            name = attention_name(module)
-            call.backward_scope = lambda: replug(module, name)
-        if segments is not None:
-            call.segments = boundary.take(segments, 1, -1)
-        ctx = SeqContext(call.axis, layout, info.rank, ref.device, mesh, call)
-        call.scopes = [use_mesh(mesh), sequence_context(ctx)]
-        call.context = ctx
+        attention, rescope = None, None
+        if self._attention is not None and self._adapter is not None:
+            segments = None if prepared is None else prepared.segment_ids
+            attention = SeqAttention(
+                self._attention,
+                self._names,
+                None if segments is None else boundary.take(segments, 1, -1),
+            )
+            rescope = _rescope(self._adapter, module)
+        call = _Call(boundary, whole_keep, prepared, attention, rescope)
+        call.context = SeqContext(self._names, layout, info.rank, ref.device, mesh, call)
+        call.scopes = [use_mesh(mesh), sequence_context(call.context)]
         for scope in call.scopes:
             scope.__enter__()
         self._calls.append(call)
@@ -257,26 +323,26 @@ class SequenceParallel:
             except ValueError:  # pragma: no cover - left in another context already
                 pass
 
-    def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if not self._calls:  # pragma: no cover - the pre-hook raised before recording
             return output
         call = self._calls.pop()
         self._leave(call)
-        if self._hf and not call.attended:
+        if self._adapter is not None and not call.attended:
             raise RuntimeError(
                 f"{_FN}({self._name}): no sequence-parallel attention ran during this forward: "
-                f"the model used its own attention ({self.model.config._attn_implementation!r}) "
-                f"on this rank's tokens only, which is not attention over the sequence; pass "
-                f"attention='ulysses' or 'ring' to sequence_parallel"
+                f"the model used its own attention "
+                f"({self._adapter.attention_name(self.model)!r}) on this rank's tokens only, "
+                f"which is not attention over the sequence; pass attention='ulysses' or 'ring' "
+                f"to sequence_parallel"
             )
         if output is None:
             return output
-        output = record_for_backward(output, call.context)  # for recomputation in backward
-        if call.share:  # the model's loss is this rank's share: the sum is the whole loss
-            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                output = (call.boundary.reduce(output[0], "output[0]"), *output[1:])
-            elif _loss_of(output) is not None:
-                output["loss"] = call.boundary.reduce(output["loss"], "output['loss']")
+        if call.context is not None:  # for recomputation in backward
+            output = record_for_backward(output, call.context)
+        if self._adapter is not None and call.prepared is not None and call.prepared.loss_share:
+            # the model's loss is this rank's share: the sum is the whole loss
+            output = self._adapter.sum_loss(output, call.boundary.reduce)
         return self._gather_outputs(output, call) if self._gather else output
 
     def _gather_outputs(self, output: Any, call: _Call) -> Any:
@@ -287,23 +353,22 @@ class SequenceParallel:
             where = f"output{path.codify('')}"
             if not isinstance(y, torch.Tensor) or y.dim() < 2:
                 out.append(y)
-            elif (
-                call.keep is not None and _last_key(path) == "logits" and not bool(call.keep.all())
-            ):
-                out.append(self._gather_kept(y, call, where))
+            elif call.keep is not None and _last_key(path) == LOGITS and not bool(call.keep.all()):
+                out.append(self._gather_kept(y, call.keep, call.boundary, where))
             elif y.shape[1] == layout.local_length:
                 out.append(call.boundary.gather(y, 1, where))
             else:
                 out.append(y)
         return tree_unflatten(treedef, out)
 
-    def _gather_kept(self, y: torch.Tensor, call: _Call, where: str) -> torch.Tensor:
+    def _gather_kept(
+        self, y: torch.Tensor, whole_keep: torch.Tensor, b: SeqBoundary, where: str
+    ) -> torch.Tensor:
         """``logits`` computed at the kept positions only: put them at their local positions,
         gather the whole sequence, keep the kept positions (in sequence order)."""
-        b = call.boundary
-        keep = pad_permute(call.keep, 0, b.layout, False).view(b.size, -1)
+        keep = pad_permute(whole_keep, 0, b.layout, False).view(b.size, -1)
         counts = keep.sum(1)
-        group = b.comm.group if b.comm is not None else self._names
+        group: Axis = self._names if b.comm is None or b.comm.group is None else b.comm.group
         sizes = all_gather(torch.tensor([y.shape[1]], device=y.device), group)
         if sizes.tolist() != counts.tolist():
             raise ValueError(
@@ -315,25 +380,18 @@ class SequenceParallel:
         local = y.new_zeros((y.shape[0], b.layout.local_length, *y.shape[2:]))
         local = local.index_copy(1, mine, y)
         whole = b.gather(local, 1, where)
-        return whole.index_select(1, call.keep.nonzero().view(-1).to(y.device))
+        return whole.index_select(1, whole_keep.nonzero().view(-1).to(y.device))
+
+
+def _rescope(adapter: ModelAdapter, model: nn.Module) -> Callable[[], Callable[[], None] | None]:
+    """A call's backward scope: plug the attention the model runs now (pshard's) again."""
+    name = adapter.attention_name(model)
+    return lambda: adapter.use_attention(model, name)
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
     to_local = getattr(g, "to_local", None)  # a DTensor: its local shard
     return to_local() if callable(to_local) else g
-
-
-def _hf_model(model: nn.Module) -> bool:
-    from ..integrations.transformers import is_hf_model
-
-    return is_hf_model(model)
-
-
-def _loss_of(output: Any) -> Any:
-    try:
-        return output["loss"]
-    except (KeyError, TypeError, IndexError):
-        return None
 
 
 def _last_key(path: Any) -> Any:
@@ -374,18 +432,21 @@ def sequence_parallel(
     un-permuted and unpadded. ``num_items_in_batch`` is passed as given: compute it on the whole
     batch (:func:`pshard.prepare_lm_batch`), not per shard.
 
-    **Hugging Face models** (a ``config._attn_implementation``): ``attention="ulysses"`` or
-    ``"ring"`` plugs :func:`pshard.ulysses_attention` / :func:`pshard.ring_attention` into the
-    model's attention interface for the block (the model's own comes back on exit, and serves
-    calls outside a sequence context), with the masks of the batch: padding
-    (``attention_mask``), packed documents (``position_ids`` restarting at 0) and the model's
-    sliding window, all by global position. The hooks own the model's conventions: ``labels=``
-    are shifted over the whole sequence before the split (``shift_labels`` are used as given),
-    ``num_items_in_batch`` is the whole batch's count, and the returned ``loss`` is the
-    single-process loss on every rank. Refused with an error saying why: a KV cache or
-    ``use_cache=True`` (``generate``), ``output_attentions``, attention dropout in training
-    mode, a forward in which no sequence-parallel attention ran (the model used its own), and
-    nesting on one model. See ``docs/huggingface.md``.
+    **Models a model adapter knows** (:mod:`pshard.sequence.adapter`; Hugging Face models,
+    through :mod:`pshard.integrations.transformers`, see ``docs/huggingface.md``):
+    ``attention="ulysses"``, ``"ring"`` or ``"usp"`` plugs that sequence-parallel attention into
+    the model for the block (the model's own comes back on exit, and serves calls outside a
+    sequence context), with the masks of the batch (padding, packed documents, the model's
+    sliding window), all by global position. The adapter owns the family's conventions: labels
+    shifted over the whole sequence before the split, the whole batch's target count, the
+    model's own loss summed over the ranks (the single-process loss on every rank), and the
+    calls it refuses, with an error saying why. A forward in which no sequence-parallel
+    attention ran (the model used its own) and nesting on one model are refused as well.
+
+    In debug mode (:func:`pshard.debug`, ``PSHARD_DEBUG=1``) entering the block first checks
+    that every rank of ``axis`` holds the same parameters and buffers (a ``ValueError`` names
+    the first that differs and the ranks): each rank's tokens go through its own weights, so a
+    rank with other weights would silently give other numbers.
 
     Gradients (one convention for everything crossing the boundary): after the backward pass
     every rank holds its own tokens' share of every gradient, of the parameters and of the
@@ -408,7 +469,7 @@ def sequence_parallel(
         mesh: the device mesh (default: the current mesh at each call).
         layout: ``"contiguous"``, ``"zigzag"`` or ``"stripe"`` (see :func:`pshard.shard_map_seq`).
         attention: ``None`` (the model calls sequence-parallel attention itself), or
-            ``"ulysses"`` / ``"ring"`` / ``"usp"`` to plug it into a Hugging Face model
+            ``"ulysses"`` / ``"ring"`` / ``"usp"`` to plug it into a model a model adapter knows
             (``"usp"``: :func:`pshard.usp_attention` with ``axis=(ring_axis, ulysses_axis)``).
         gather_outputs: gather sequence outputs back to the whole sequence.
 

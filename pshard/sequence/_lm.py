@@ -1,5 +1,11 @@
 """Causal-LM batches and losses for sequence parallelism.
 
+The keys of a causal-LM batch are pshard's own convention (:func:`prepare_lm_batch` writes them,
+:func:`pshard.sequence_parallel` reads them; they are the names Hugging Face models take), defined
+once here: :data:`INPUT_IDS`, :data:`INPUTS_EMBEDS`, :data:`LABELS`, :data:`SHIFT_LABELS`,
+:data:`POSITION_IDS`, :data:`ATTENTION_MASK`, :data:`SEGMENT_IDS`, :data:`LOGITS_TO_KEEP`,
+:data:`NUM_ITEMS_IN_BATCH`, and the output :data:`LOGITS`.
+
 Two bugs recur in sequence-parallel training code, and these two functions remove them:
 
 - *Shifting labels after sharding.* A causal LM predicts token ``t + 1`` at position ``t``; if each
@@ -26,13 +32,60 @@ from .._core.checks import check_int
 from .._core.tree import describe
 from .._runtime.mesh import Axis
 
-__all__ = ["prepare_lm_batch", "token_mean_loss"]
+__all__ = [
+    "ATTENTION_MASK",
+    "IGNORE_INDEX",
+    "INPUTS_EMBEDS",
+    "INPUT_IDS",
+    "LABELS",
+    "LABEL_KEYS",
+    "LOGITS",
+    "LOGITS_TO_KEEP",
+    "NUM_ITEMS_IN_BATCH",
+    "POSITION_IDS",
+    "SEGMENT_IDS",
+    "SEQUENCE_KEYS",
+    "SHIFT_LABELS",
+    "prepare_lm_batch",
+    "segment_ids_of",
+    "shift_labels",
+    "token_mean_loss",
+]
+
+# --------------------------------------------------------------------------- the batch's keys
+
+#: The tokens, ``(batch, seq)``.
+INPUT_IDS = "input_ids"
+#: The tokens already embedded, ``(batch, seq, hidden)`` (instead of :data:`INPUT_IDS`).
+INPUTS_EMBEDS = "inputs_embeds"
+#: The keys a call's sequence length is read from, in this order.
+SEQUENCE_KEYS = (INPUT_IDS, INPUTS_EMBEDS)
+#: The labels of every position, before the shift.
+LABELS = "labels"
+#: The target of every position (:data:`LABELS` shifted left by one over the whole sequence).
+SHIFT_LABELS = "shift_labels"
+#: Keys holding labels: padded with :data:`IGNORE_INDEX` when a sequence is split.
+LABEL_KEYS = frozenset({LABELS, SHIFT_LABELS})
+#: The global position of every token, ``(batch, seq)`` (restarting at 0 for packed documents).
+POSITION_IDS = "position_ids"
+#: 1 for a token, 0 for padding, ``(batch, seq)``.
+ATTENTION_MASK = "attention_mask"
+#: The attention functions' segment ids, ``(batch, seq)`` (-1: padding).
+SEGMENT_IDS = "segment_ids"
+#: Which positions' logits the model computes: an int (the last ``k``) or a boolean mask.
+LOGITS_TO_KEEP = "logits_to_keep"
+#: The number of targets of the whole batch: the token-mean loss's denominator.
+NUM_ITEMS_IN_BATCH = "num_items_in_batch"
+#: The model output gathered at the positions :data:`LOGITS_TO_KEEP` keeps.
+LOGITS = "logits"
+#: The label of a position without a target.
+IGNORE_INDEX = -100
 
 
 def prepare_lm_batch(
     batch: Mapping[str, Any],
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     logits_to_keep: int | torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Make a causal-LM batch ready to be split along its sequence (dim 1).
@@ -96,61 +149,56 @@ def prepare_lm_batch(
         )
     ignore_index = check_int(fn, "ignore_index", ignore_index)
     out = dict(batch)
-    labels = out.get("labels")
-    ids = out.get("input_ids")
+    labels = out.get(LABELS)
+    ids = out.get(INPUT_IDS)
     if labels is None:
         if not isinstance(ids, torch.Tensor):
             raise ValueError(
-                f"{fn}: the batch has neither 'labels' nor an 'input_ids' tensor to derive them "
-                f"from (keys {list(out)}); add one of them"
+                f"{fn}: the batch has neither {LABELS!r} nor an {INPUT_IDS!r} tensor to derive "
+                f"them from (keys {list(out)}); add one of them"
             )
         labels = ids
     if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
         raise ValueError(
-            f"{fn}: batch['labels'] must be a tensor of shape (batch, seq, ...), got "
+            f"{fn}: batch[{LABELS!r}] must be a tensor of shape (batch, seq, ...), got "
             f"{describe(labels)}"
         )
     seq_len = labels.shape[1]
-    for key in ("input_ids", "shift_labels"):
+    for key in (INPUT_IDS, SHIFT_LABELS):
         value = out.get(key)
         if isinstance(value, torch.Tensor) and (value.dim() < 2 or value.shape[1] != seq_len):
             raise ValueError(
-                f"{fn}: batch[{key!r}] has shape {tuple(value.shape)} but batch['labels'] has "
+                f"{fn}: batch[{key!r}] has shape {tuple(value.shape)} but batch[{LABELS!r}] has "
                 f"{seq_len} tokens along dim 1 (shape {tuple(labels.shape)}); every sequence "
                 f"tensor must have the same length"
             )
     rows = (labels.shape[0], seq_len)
-    for key in ("attention_mask", "position_ids", "segment_ids"):
+    for key in (ATTENTION_MASK, POSITION_IDS, SEGMENT_IDS):
         value = out.get(key)
         if value is not None and (not isinstance(value, torch.Tensor) or value.shape != rows):
             raise ValueError(
                 f"{fn}: batch[{key!r}] must be a (batch, seq) = {rows} tensor like the labels, "
                 f"got {describe(value)}"
             )
-    mask = out.get("attention_mask")
-    if "labels" not in out:
-        out["labels"] = labels = (
+    mask = out.get(ATTENTION_MASK)
+    if LABELS not in out:
+        out[LABELS] = labels = (
             labels.clone() if mask is None else labels.masked_fill(mask == 0, ignore_index)
         )
-    if out.get("shift_labels") is None:
-        if seq_len:
-            pad = [0, 0] * (labels.dim() - 2) + [0, 1]
-            shifted = F.pad(labels.narrow(1, 1, seq_len - 1), pad, value=ignore_index)
-        else:
-            shifted = labels.clone()
-        out["shift_labels"] = shifted
-    shifted = out["shift_labels"]
-    if out.get("segment_ids") is None:
-        segments = _segments(out.get("position_ids"), mask)
+    if out.get(SHIFT_LABELS) is None:
+        out[SHIFT_LABELS] = shift_labels(labels, ignore_index)
+    shifted = out[SHIFT_LABELS]
+    if out.get(SEGMENT_IDS) is None:
+        segments = segment_ids_of(out.get(POSITION_IDS), mask)
         if segments is not None:
-            out["segment_ids"] = segments
-    if out.get("position_ids") is None:
-        out["position_ids"] = (
+            out[SEGMENT_IDS] = segments
+    if out.get(POSITION_IDS) is None:
+        out[POSITION_IDS] = (
             torch.arange(seq_len, dtype=torch.int64, device=labels.device)
             .unsqueeze(0)
             .expand(labels.shape[0], seq_len)
         )
-    keep = out.get("logits_to_keep") if logits_to_keep is None else logits_to_keep
+    keep = out.get(LOGITS_TO_KEEP) if logits_to_keep is None else logits_to_keep
     if keep is not None and not isinstance(keep, torch.Tensor):
         k = check_int(fn, "logits_to_keep", keep, minimum=0)
         positions = torch.arange(seq_len, device=labels.device)
@@ -161,15 +209,25 @@ def prepare_lm_batch(
                 f"{fn}: logits_to_keep must be an int or a boolean mask of shape ({seq_len},) "
                 f"over the sequence, got {describe(keep)}"
             )
-        out["logits_to_keep"] = keep
+        out[LOGITS_TO_KEEP] = keep
     targets = shifted != ignore_index
     if keep is not None:
         targets = targets & keep.view(1, seq_len, *([1] * (shifted.dim() - 2)))
-    out["num_items_in_batch"] = targets.sum()
+    out[NUM_ITEMS_IN_BATCH] = targets.sum()
     return out
 
 
-def _segments(
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The target of every position: ``labels`` (``(batch, seq, ...)``) shifted left by one
+    over the whole sequence, the last position getting ``ignore_index``."""
+    seq_len = labels.shape[1]
+    if not seq_len:
+        return labels.clone()
+    pad = [0, 0] * (labels.dim() - 2) + [0, 1]
+    return F.pad(labels.narrow(1, 1, seq_len - 1), pad, value=ignore_index)
+
+
+def segment_ids_of(
     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
 ) -> torch.Tensor | None:
     """Segment ids of packed rows and padding (see :func:`prepare_lm_batch`), or ``None``
@@ -182,9 +240,10 @@ def _segments(
             starts = None
     if not padded and starts is None:
         return None
-    like = position_ids if position_ids is not None else attention_mask
-    if starts is None:
-        starts = torch.zeros(like.shape, dtype=torch.bool, device=like.device)
+    if starts is None:  # padding alone
+        if attention_mask is None:
+            return None
+        starts = torch.zeros(attention_mask.shape, dtype=torch.bool, device=attention_mask.device)
     starts = starts.clone()
     starts[:, 0] = True  # the first token starts segment 0
     seg = starts.to(torch.int64).cumsum(1) - 1

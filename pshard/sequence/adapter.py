@@ -1,0 +1,193 @@
+"""Model adapters: what :func:`pshard.sequence_parallel` needs from a family of models it does
+not own.
+
+On its own, ``sequence_parallel(model)`` splits a call by pshard's causal-LM batch convention
+(the keys of :mod:`pshard.sequence._lm`: the sequence length is that of ``input_ids`` or
+``inputs_embeds``, every argument with that length along dim 1 is split, labels padded with
+-100, ``position_ids`` added, an int ``logits_to_keep`` made a mask, ``logits`` gathered), and
+the model calls the sequence-parallel attention functions itself. A family of models with
+conventions of its own is described by a :class:`ModelAdapter`:
+
+- **which attention to swap in, and how to restore the model**: :meth:`~ModelAdapter.plug`
+  makes the model's attention layers call :func:`run_attention` (the attention
+  ``sequence_parallel(model, attention=...)`` asked for, found with :func:`plugged_attention`)
+  and returns what restores the model's own; :meth:`~ModelAdapter.attention_name` and
+  :meth:`~ModelAdapter.use_attention` let a backward pass through a call plug it again for
+  recomputed (checkpointed) layers;
+- **which arguments are sequences, and how to pad and shift them** before the split:
+  :meth:`~ModelAdapter.prepare` sees the whole call (refusing what cannot be exact, shifting
+  labels over the whole sequence, counting the whole batch's targets) and returns the segment
+  ids of its padding and packed documents;
+- **the model's own loss**: when the model computes a loss from the labels of its tokens,
+  :meth:`~ModelAdapter.sum_loss` sums every rank's share.
+
+An adapter is registered once with :func:`register_adapter` and found with
+:func:`find_adapter`. The registry is written when an integration is imported
+(:mod:`pshard.integrations.transformers` registers the Hugging Face adapter when ``pshard`` is
+imported) and read afterwards; this package never imports an integration, and registering one
+imports nothing of the library it adapts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ._context import SeqAttention, find_context
+from ._ring import ring_attention
+from ._ulysses import ulysses_attention
+from ._usp import usp_attention
+
+__all__ = [
+    "ATTENTIONS",
+    "ModelAdapter",
+    "PreparedCall",
+    "Reduce",
+    "find_adapter",
+    "plugged_attention",
+    "register_adapter",
+    "registered_adapters",
+    "run_attention",
+]
+
+#: What ``sequence_parallel(model, attention=...)`` takes.
+ATTENTIONS = ("ulysses", "ring", "usp")
+
+#: ``reduce(value, where)``: the sum over the sequence-parallel axis of every rank's ``value``
+#: (its share of a loss); ``where`` names the output in errors (``"output['loss']"``).
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedCall:
+    """A call of the model made ready to be split (:meth:`ModelAdapter.prepare`).
+
+    Attributes:
+        kwargs: the call's arguments by name, whole (the hooks split them next).
+        segment_ids: the whole batch's segment ids (``(batch, seq)``: one id per document of a
+            row, -1 for padding), or ``None`` for plain causal sequences.
+        loss_share: the model computes a loss, and on each rank it is that rank's share (to be
+            summed by :meth:`ModelAdapter.sum_loss`).
+    """
+
+    kwargs: dict[str, Any]
+    segment_ids: torch.Tensor | None = None
+    loss_share: bool = False
+
+
+class ModelAdapter(Protocol):
+    """What ``sequence_parallel`` needs to know about one family of models."""
+
+    @property
+    def name(self) -> str:
+        """The adapter's registry name (``"transformers"``)."""
+        ...
+
+    @property
+    def interface(self) -> str:
+        """What ``attention=`` plugs into, for messages (``"a Hugging Face model's attention
+        interface"``)."""
+        ...
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether ``model`` is one of this family (cheap; imports nothing)."""
+        ...
+
+    def attention_name(self, model: nn.Module) -> str:
+        """The name of the attention the model runs now (for messages and
+        :meth:`use_attention`)."""
+        ...
+
+    def plug(self, model: nn.Module) -> Callable[[], None]:
+        """Make the model's attention layers run :func:`run_attention` when
+        :func:`plugged_attention` finds one, and their own attention otherwise; returns the
+        function that restores the model's own. Raises ``RuntimeError`` when pshard's attention
+        is already plugged (nesting)."""
+        ...
+
+    def use_attention(self, model: nn.Module, name: str) -> Callable[[], None] | None:
+        """Make the model run the attention ``name`` (one :meth:`attention_name` returned)
+        until the returned undo is called; ``None`` when it already does."""
+        ...
+
+    def prepare(
+        self,
+        model: nn.Module,
+        kwargs: dict[str, Any],
+        accepts: Callable[[str], bool],
+        length: int,
+    ) -> PreparedCall:
+        """The whole-sequence side of a call with arguments ``kwargs`` (by name) and sequence
+        ``length``: refuse what cannot be exact (``ValueError`` naming the cause and the fix),
+        fill in and shift what must be computed over the whole sequence. ``accepts(name)``
+        says whether the model's forward takes an argument. ``kwargs`` is not modified."""
+        ...
+
+    def sum_loss(self, output: Any, reduce: Reduce) -> Any:
+        """``output`` with the loss it holds (this rank's share) replaced by ``reduce`` of it."""
+        ...
+
+
+# adapter name -> adapter; written when an integration is imported, read afterwards
+_ADAPTERS: dict[str, ModelAdapter] = {}
+
+
+def register_adapter(adapter: ModelAdapter) -> None:
+    """Register ``adapter`` (under its name, replacing one registered before under that name)."""
+    _ADAPTERS.pop(adapter.name, None)
+    _ADAPTERS[adapter.name] = adapter
+
+
+def registered_adapters() -> tuple[ModelAdapter, ...]:
+    """The registered adapters, in registration order."""
+    return tuple(_ADAPTERS.values())
+
+
+def find_adapter(model: nn.Module) -> ModelAdapter | None:
+    """The adapter of ``model``'s family (the latest registered that matches), or ``None``."""
+    for adapter in reversed(_ADAPTERS.values()):
+        if adapter.matches(model):
+            return adapter
+    return None
+
+
+def plugged_attention(local_length: int) -> SeqAttention | None:
+    """The attention plugged for the ``sequence_parallel`` call running now (in the forward
+    pass, or recomputed in its backward pass), for an attention layer given ``local_length``
+    tokens; ``None`` outside such a call (the layer runs the model's own attention)."""
+    ctx = find_context(None, local_length)
+    return None if ctx is None or ctx.call is None else ctx.call.attention
+
+
+def run_attention(
+    plugged: SeqAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool,
+    window: int | tuple[int | None, int | None] | None,
+    scale: float | None,
+    seq_dim: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Run ``plugged`` (:func:`pshard.ulysses_attention`, :func:`pshard.ring_attention` or
+    :func:`pshard.usp_attention`) on this rank's tokens, with the call's segment ids; the
+    arguments are those of the attention functions."""
+    options: dict[str, Any] = {
+        "causal": causal,
+        "segment_ids": plugged.segment_ids,
+        "window": window,
+        "seq_dim": seq_dim,
+        "head_dim": head_dim,
+        "scale": scale,
+    }
+    if plugged.kind == "usp":
+        ring, ulysses = plugged.axis  # (ring_axis, ulysses_axis)
+        return usp_attention(query, key, value, ulysses_axis=ulysses, ring_axis=ring, **options)
+    attend = ulysses_attention if plugged.kind == "ulysses" else ring_attention
+    return attend(query, key, value, axis=plugged.axis, **options)
