@@ -77,9 +77,15 @@ def _exchange(mine: list[int], group: dist.ProcessGroup, device: torch.device) -
     return [row[:n] for row, n in zip(rows, heads.tolist(), strict=True)]
 
 
-def _parse(desc: list[int]) -> list[tuple[torch.dtype, int, tuple[int, ...]] | int]:
+#: One leaf of a rank's batch: (dtype, device code, shape) of a tensor, or another leaf's digest.
+Record = tuple[torch.dtype, int, tuple[int, ...]] | int
+#: Where a tensor leaf sits in its device's buffer: (leaf, byte offset, bytes, dtype, shape).
+Slot = tuple[int, int, int, torch.dtype, tuple[int, ...]]
+
+
+def _parse(desc: list[int]) -> list[Record]:
     """Per leaf: (dtype, device code, shape) of a tensor, or the digest of another leaf."""
-    out: list[tuple[torch.dtype, int, tuple[int, ...]] | int] = []
+    out: list[Record] = []
     i = 2
     for _ in range(desc[1]):
         if desc[i] == _NOT_TENSOR:
@@ -94,7 +100,7 @@ def _parse(desc: list[int]) -> list[tuple[torch.dtype, int, tuple[int, ...]] | i
 
 def _check(
     rows: list[list[int]], leaves: list[Any], treedef: Any, group: dist.ProcessGroup, fn: str
-) -> list[list[Any]]:
+) -> list[list[Record]]:
     parsed = [_parse(row) for row in rows]
     if len({row[0] for row in rows}) > 1 or len({row[1] for row in rows}) > 1:
         ranks = [dist.get_global_rank(group, r) for r in range(len(rows))]
@@ -106,15 +112,16 @@ def _check(
         )
     for i, leaf in enumerate(leaves):
         path = keystr(leaf_path(treedef, i), "batch")
-        kinds = {(p[i][0] if isinstance(p[i], tuple) else None) for p in parsed}
+        records = [p[i] for p in parsed]
+        kinds = {r[0] if isinstance(r, tuple) else None for r in records}
         if isinstance(leaf, torch.Tensor):
-            devices = {p[i][1] for p in parsed if isinstance(p[i], tuple)}
+            devices = {r[1] for r in records if isinstance(r, tuple)}
             if None in kinds or len(devices) > 1:
                 raise ValueError(
                     f"{fn}: {path} is a tensor on some ranks and not on others, or on devices of "
                     f"different types; every rank must pass the same kind of leaf there"
                 )
-        elif len({p[i] for p in parsed}) > 1:
+        elif len(set(records)) > 1:
             raise ValueError(
                 f"{fn}: {path} is {describe(leaf)}, not a tensor, and differs between ranks; "
                 f"only tensors are sent (never pickled): make it a tensor, or the same on every "
@@ -123,13 +130,14 @@ def _check(
     return parsed
 
 
-def _plan(specs: list[Any], devices: list[torch.device | None]) -> dict[Any, list]:
-    """Byte offsets of each tensor leaf in its device's buffer: device -> [(leaf, offset,
-    nbytes, dtype, shape)], plus the total under key (device, "total")."""
-    plan: dict[Any, list] = {}
+def _plan(
+    specs: list[Record], devices: list[torch.device | None]
+) -> dict[torch.device, tuple[int, list[Slot]]]:
+    """Each device's buffer: its size in bytes and where each tensor leaf sits in it."""
+    plan: dict[torch.device, list[Slot]] = {}
     totals: dict[torch.device, int] = {}
     for i, (spec, device) in enumerate(zip(specs, devices, strict=True)):
-        if not isinstance(spec, tuple):
+        if not isinstance(spec, tuple) or device is None:  # a tensor on every rank, or on none
             continue
         dtype, _, shape = spec
         numel = 1
@@ -142,7 +150,9 @@ def _plan(specs: list[Any], devices: list[torch.device | None]) -> dict[Any, lis
     return {d: (totals[d], items) for d, items in plan.items()}
 
 
-def _pack(leaves: list[Any], plan: dict[Any, Any]) -> dict[torch.device, torch.Tensor]:
+def _pack(
+    leaves: list[Any], plan: dict[torch.device, tuple[int, list[Slot]]]
+) -> dict[torch.device, torch.Tensor]:
     buffers = {}
     for device, (total, items) in plan.items():
         buf = torch.empty(total, dtype=torch.uint8, device=device)
@@ -155,7 +165,9 @@ def _pack(leaves: list[Any], plan: dict[Any, Any]) -> dict[torch.device, torch.T
 
 
 def _unpack(
-    buffers: dict[torch.device, torch.Tensor], plan: dict[Any, Any], leaves: list[Any]
+    buffers: dict[torch.device, torch.Tensor],
+    plan: dict[torch.device, tuple[int, list[Slot]]],
+    leaves: list[Any],
 ) -> list[Any]:
     out = list(leaves)  # non-tensor leaves: equal on every rank, keep this rank's
     for device, (_, items) in plan.items():

@@ -53,6 +53,7 @@ __all__ = [
     "block_kernel",
     "efficient_kernel",
     "finite",
+    "flash_kernel",
     "verified",
 ]
 
@@ -94,15 +95,19 @@ _CPU_BACKWARD = getattr(
 )
 
 
-def _cpu_forward(q, k, v, mask, causal: bool, scale: float):
-    return _CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+def flash_kernel(forward_op: Callable[..., Any], backward_op: Callable[..., Any]) -> BlockKernel:
+    """The block kernel on ``aten._scaled_dot_product_flash_attention_for_cpu``-like ops."""
+
+    def forward(q, k, v, mask, causal: bool, scale: float):
+        return forward_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+    def backward(do, q, k, v, out, lse, mask, causal: bool, scale: float):
+        return backward_op(do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+    return BlockKernel("flash (cpu)", forward, backward, masks=True, cut=True, align=1)
 
 
-def _cpu_backward(do, q, k, v, out, lse, mask, causal: bool, scale: float):
-    return _CPU_BACKWARD(do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-
-
-CPU = BlockKernel("flash (cpu)", _cpu_forward, _cpu_backward, masks=True, cut=True, align=1)
+CPU = flash_kernel(_CPU, _CPU_BACKWARD) if _CPU is not None and _CPU_BACKWARD is not None else None
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -120,7 +125,9 @@ def _bias(mask: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
     return buf.expand(batch, heads, m, n)
 
 
-def efficient_kernel(forward_op: Any, backward_op: Any) -> BlockKernel:
+def efficient_kernel(
+    forward_op: Callable[..., Any], backward_op: Callable[..., Any]
+) -> BlockKernel:
     """The block kernel on ``aten._scaled_dot_product_efficient_attention``-like ops (tests
     pass stand-ins that read memory the way the CUDA kernel does)."""
 
@@ -164,7 +171,7 @@ def block_kernel(device: torch.device, dtype: torch.dtype, width: int) -> BlockK
     """The fused kernel for blocks of ``dtype`` (the ring's accumulation dtype) and head size
     ``width`` on ``device``, or ``None`` for explicit matmuls."""
     if device.type == "cpu":
-        return CPU if _CPU is not None and _CPU_BACKWARD is not None else None
+        return CPU
     if device.type == "cuda" and CUDA is not None and dtype == torch.float32:
         return CUDA if _checked(CUDA, device, dtype, width) else None
     return None

@@ -281,7 +281,7 @@ def _unpermute(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
 
 class _PadPermute(torch.autograd.Function):
     @staticmethod
-    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, value: Any) -> torch.Tensor:
         return _permute(x, dim, layout, value)
 
     @staticmethod
@@ -304,7 +304,7 @@ class _PadPermute(torch.autograd.Function):
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:  # type: ignore[override]
+    def forward(y: torch.Tensor, dim: int, layout: SeqLayout) -> torch.Tensor:
         return _unpermute(y, dim, layout)
 
     @staticmethod

@@ -47,7 +47,7 @@ class _TakeTokens(torch.autograd.Function):
     puts each token at its position."""
 
     @staticmethod
-    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None, pad: Any) -> Any:  # type: ignore[override]
+    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None, pad: Any) -> Any:
         return take_blocks(x, dim, layout, pad, (0 if c is None else c.rank,))
 
     @staticmethod
@@ -75,7 +75,7 @@ class _PlaceTokens(torch.autograd.Function):
     the padding slots)."""
 
     @staticmethod
-    def forward(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None, label: Any) -> Any:  # type: ignore[override]
+    def forward(y: torch.Tensor, dim: int, layout: SeqLayout, c: Comm | None, label: Any) -> Any:
         if c is None:
             return place_blocks((y,), dim, layout)
         if label is not None:
@@ -171,7 +171,7 @@ class _ShareTokens(torch.autograd.Function):
     zeros elsewhere (this rank's share, see the module docs)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, rank: int, pad: Any) -> Any:  # type: ignore[override]
+    def forward(x: torch.Tensor, dim: int, layout: SeqLayout, rank: int, pad: Any) -> Any:
         return take_blocks(x, dim, layout, pad, (rank,))
 
     @staticmethod
@@ -197,7 +197,7 @@ class _Share(torch.autograd.Function):
     that, with zero padding)."""
 
     @staticmethod
-    def forward(g: torch.Tensor, dim: int, layout: SeqLayout, rank: int) -> Any:  # type: ignore[override]
+    def forward(g: torch.Tensor, dim: int, layout: SeqLayout, rank: int) -> Any:
         shape = list(g.shape)
         shape[dim] = layout.length
         out = g.new_zeros(shape)

@@ -248,7 +248,9 @@ def shard_map_seq(
         paths, leaves, treedef = tree_flatten_with_path(args)
         specs = resolve_specs(arg_specs, leaves, treedef, name="in_specs", fn_name=_FN)
         pads = broadcast_prefix_flat(pad_values, treedef, leaves, name="pad_values", fn_name=_FN)
-        length = first = device = None
+        length: int | None = None
+        first: tuple[str, Shard, tuple[int, ...]] = ("", Shard(0), ())  # the first Shard input
+        device = torch.device("cpu")
         dims: list[int | None] = []
         for path, x, spec in zip(paths, leaves, specs, strict=True):
             where = keystr(path, "in_specs")
@@ -295,7 +297,7 @@ def shard_map_seq(
                 x if d is None else pad_permute(x, d, lay, value)
                 for x, d, value in zip(leaves, dims, values, strict=True)
             ]
-            inner_specs = [Replicate() if d is None else Shard(d) for d in dims]
+            inner_specs: list[Placement] = [Replicate() if d is None else Shard(d) for d in dims]
         else:  # this rank's tokens straight from the whole value (no permuted whole)
             flat = [
                 x if d is None else take_tokens(x, d, lay, c, value)
