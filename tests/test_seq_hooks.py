@@ -16,6 +16,14 @@ from torch import nn
 
 import pshard as ps
 from pshard.sequence._context import find_context
+from pshard.sequence._lm import NUM_ITEMS_IN_BATCH, SHIFT_LABELS
+from pshard.sequence.adapter import (
+    PreparedCall,
+    plugged_attention,
+    register_adapter,
+    registered_adapters,
+    run_attention,
+)
 
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 
@@ -211,3 +219,125 @@ def test_debug_mode_checks_the_model_is_the_same_on_every_rank(pool) -> None:
     # the same model on every rank passes the check
     same = pool.run(2, _same_model_worker, "nowhere", True)
     torch.testing.assert_close(same[0]["logits"], same[1]["logits"], **TOL)
+
+
+# --------------------------------------------------------------------------- model adapters
+
+
+def _toy_attention(q, k, v):
+    """A model family's attention layer: the attention plugged for the running call, else its
+    own."""
+    plugged = plugged_attention(q.shape[1])
+    if plugged is None:
+        return full_attention(q, k, v)
+    return run_attention(
+        plugged, q, k, v, causal=True, window=None, scale=None, seq_dim=1, head_dim=2
+    )
+
+
+class ToyLM(TinyLM):
+    """A model family an adapter knows: attention swapped by the adapter, loss computed inside
+    from ``shift_labels``."""
+
+
+class _ToyAdapter:
+    """A model adapter written against the protocol alone (as an integration would be)."""
+
+    name = "toy (tests)"
+    interface = "a ToyLM's attention"
+
+    def matches(self, model) -> bool:
+        return isinstance(model, ToyLM)
+
+    def attention_name(self, model) -> str:
+        return "plugged" if model.attention is _toy_attention else "own"
+
+    def plug(self, model):
+        model.attention = _toy_attention
+        return lambda: setattr(model, "attention", full_attention)
+
+    def use_attention(self, model, name: str):
+        if self.attention_name(model) == name:
+            return None
+        model.attention = _toy_attention if name == "plugged" else full_attention
+        return lambda: setattr(model, "attention", full_attention)
+
+    def prepare(self, model, kwargs, accepts, length) -> PreparedCall:
+        kwargs = dict(kwargs)
+        labels = kwargs.get(SHIFT_LABELS)
+        if labels is None:
+            return PreparedCall(kwargs)
+        if kwargs.get(NUM_ITEMS_IN_BATCH) is None:  # the whole batch's count
+            kwargs[NUM_ITEMS_IN_BATCH] = (labels != -100).sum()
+        return PreparedCall(kwargs, None, loss_share=True)
+
+    def sum_loss(self, output, reduce):
+        output["loss"] = reduce(output["loss"], "output['loss']")
+        return output
+
+
+register_adapter(_ToyAdapter())
+
+
+def _adapter_worker(n: int, attention: str) -> dict:
+    ps.init_mesh({"sp": n})
+    batch = make_batch(2, 2 * n + 3, seed=5)
+    ids, labels = batch["input_ids"], batch["shift_labels"]
+    plain, model = TinyLM(4, 2, seed=2), ToyLM(4, 2, seed=2)
+    ref = plain(ids, shift_labels=labels)
+    ref.loss.backward()
+    with ps.sequence_parallel(model, layout="zigzag", attention=attention):
+        got = model(ids, shift_labels=labels)
+        inside = model.attention is _toy_attention
+    got.loss.backward()
+    ps.reduce_gradients(model, "sp")
+    return {
+        "logits": (got.logits.detach(), ref.logits.detach()),
+        "loss": (got.loss.detach(), ref.loss.detach()),
+        "grads": (_grads(model), _grads(plain)),
+        "plugged": inside,
+        "restored": model.attention is full_attention and not model._forward_pre_hooks,
+    }
+
+
+@pytest.mark.parametrize("attention", ["ulysses", "ring"])
+def test_a_model_adapter_plugs_into_sequence_parallel(pool, attention: str) -> None:
+    """A model family described by an adapter written against pshard.sequence.adapter alone:
+    its attention is swapped for the block, its loss shares are summed, and the model equals
+    the plain one (logits, loss, gradients after reduce_gradients); restored on exit."""
+    assert any(a.name == "toy (tests)" for a in registered_adapters())
+    for r, out in enumerate(pool.run(2, _adapter_worker, 2, attention)):
+        msg = f"rank {r}"
+        torch.testing.assert_close(*out["logits"], msg=msg, **TOL)
+        torch.testing.assert_close(*out["loss"], msg=msg, **TOL)
+        for a, b in zip(*out["grads"], strict=True):
+            torch.testing.assert_close(a, b, msg=msg, **TOL)
+        assert out["plugged"] and out["restored"], msg
+
+
+def test_the_sequence_package_imports_no_integration() -> None:
+    """The core defines the adapter protocol; integrations implement it: nothing under
+    pshard/sequence imports pshard.integrations (not even lazily), and the transformers
+    integration registers its adapter without importing transformers (optional)."""
+    import ast
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(ps.__file__).parent
+    for path in sorted((root / "sequence").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = "." * node.level + (node.module or "")
+            elif isinstance(node, ast.Import):
+                target = ",".join(a.name for a in node.names)
+            else:
+                continue
+            assert "integrations" not in target, (path.name, node.lineno, target)
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import pshard.integrations.transformers\n"
+        "from pshard.sequence.adapter import registered_adapters\n"
+        "assert 'transformers' in [a.name for a in registered_adapters()]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
