@@ -5,8 +5,8 @@ functions it needs are looked up here, each behind a small function with the mea
 relies on, so a torch release that moves one breaks this module's tests, not a feature far away.
 Imports torch only; every layer of pshard may import it.
 
-- functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`unwrap_dead`,
-  :func:`outside_transforms`;
+- functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`innermost`,
+:func:`unwrap_dead`, :func:`outside_transforms`;
 - the autograd engine: :func:`graph_task_id`;
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
   :func:`group_count`;
@@ -37,6 +37,7 @@ __all__ = [
     "default_store",
     "fake_tensor_types",
     "graph_task_id",
+    "innermost",
     "group_count",
     "is_wrapped",
     "outside_transforms",
@@ -55,6 +56,14 @@ def transforms_active() -> bool:
 def is_wrapped(t: torch.Tensor) -> bool:
     """Whether ``t`` is wrapped by a ``torch.func`` transform (a grad, batched or dual tensor)."""
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def innermost(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under every ``torch.func`` wrapper of ``t`` (``t`` itself when unwrapped):
+    where in-place writes under a transform move the version counter."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 def unwrap_dead(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -254,6 +254,26 @@ def test_errors_name_the_key_path(mesh: object) -> None:
         placements_spec((ps.Partial(),), mesh_key(ps.init_mesh({"dp": 1})), 1)
 
 
+def test_block_written_in_place_under_a_transform_is_refused(mesh: object) -> None:
+    whole, params = _params(mesh)
+
+    def bad(p: dict) -> torch.Tensor:
+        p["w"].local.mul_(2)
+        return ps.gather(p)["w"].sum()
+
+    def good(p: dict) -> torch.Tensor:
+        return ps.gather(p)["w"].sum() * 2
+
+    stacked = optree.tree_map(lambda t: torch.stack([t, t]), params)
+    with _raises(ValueError, "gather tree['w']: the block of this GlobalTensor was modified in"):
+        torch.func.vmap(bad)(stacked)
+    stacked = optree.tree_map(lambda t: torch.stack([t, t]), params)  # bad wrote into it
+    torch.testing.assert_close(torch.func.vmap(good)(stacked), 2 * whole["w"].sum().expand(2))
+    # outside a transform, blocks are updated in place as torch.optim does
+    params["w"].local.mul_(2)
+    torch.testing.assert_close(ps.gather(params)["w"], 2 * whole["w"])
+
+
 def test_repr() -> None:
     ps.init_mesh({"dp": 1})
     x = ps.shard(torch.zeros(4, 2), ps.P("dp"))

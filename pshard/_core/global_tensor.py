@@ -35,7 +35,7 @@ from typing import Any
 import optree
 import torch
 
-from .._compat import register_torch_pytree
+from .._compat import innermost, is_wrapped, register_torch_pytree
 from .caches import WeakCache
 from .layout import explicit_order, index_runs
 from .placements import P, Placement, Replicate, Shard, StridedShard
@@ -47,6 +47,7 @@ __all__ = [
     "applied_shards",
     "block_runs",
     "block_shape",
+    "check_unmodified",
     "dtensor_placements",
     "full_spec",
     "is_global",
@@ -132,14 +133,18 @@ class GlobalTensor:
         (15.0, (Shard(0),))
     """
 
-    __slots__ = ("local", "meta", "__weakref__")
+    __slots__ = ("local", "meta", "version", "__weakref__")
 
     local: Any
     meta: GlobalMeta
+    version: int | None
 
     def __init__(self, local: Any, meta: GlobalMeta) -> None:
         self.local = local
         self.meta = meta
+        # the block's version counter when this node was made (``torch.func`` makes new nodes
+        # around the tensors it wraps): a change under a transform means an in-place write
+        self.version = innermost(local)._version if isinstance(local, torch.Tensor) else None
 
     @property
     def spec(self) -> P:
@@ -380,3 +385,21 @@ def dtensor_placements(meta: GlobalMeta) -> tuple[Placement, ...]:
                 f"a multiple of {math.prod(sizes)}, or list its axes in mesh order"
             )
     return placements
+
+
+def check_unmodified(x: GlobalTensor, fn: str, where: str) -> None:
+    """Raise ``ValueError`` if the block of ``x``, a value a ``torch.func`` transform is
+    differentiating, batching or pushing forward, was written in place since the transform
+    made it (its layout and cotangent would belong to another value)."""
+    local = x.local
+    if (
+        isinstance(local, torch.Tensor)
+        and x.version is not None
+        and is_wrapped(local)
+        and innermost(local)._version != x.version
+    ):
+        raise ValueError(
+            f"{fn} {where}: the block of this GlobalTensor was modified in place under a "
+            f"torch.func transform; compute a new block out of place (x.local * 2, not "
+            f"x.local.mul_(2)) and build a new GlobalTensor around it"
+        )

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from .._core.global_tensor import GlobalMeta, GlobalTensor, full_spec, mesh_key
+from .._core.global_tensor import (
+    GlobalMeta,
+    GlobalTensor,
+    check_unmodified,
+    full_spec,
+    mesh_key,
+)
 from .._core.layout import index_runs
 from .._core.placements import P, Placement, Replicate, Shard, StridedShard
 from .._core.tree import describe
@@ -85,6 +91,7 @@ def _check_mesh(x: GlobalTensor, where: str, view: MeshView) -> None:
         )
     if not isinstance(x.local, torch.Tensor):
         raise TypeError(f"{view.fn} {where}: the GlobalTensor's block is {describe(x.local)}")
+    check_unmodified(x, view.fn, where)
 
 
 def enter_global(

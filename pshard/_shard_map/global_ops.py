@@ -24,6 +24,7 @@ from .._core.global_tensor import (
     GlobalMeta,
     GlobalTensor,
     block_runs,
+    check_unmodified,
     dtensor_placements,
     full_spec,
     is_global,
@@ -367,6 +368,7 @@ def _gather_one(x: GlobalTensor, where: str, views: dict[Any, MeshView]) -> torc
 def _check_local(x: GlobalTensor, fn: str, where: str) -> None:
     if not isinstance(x.local, torch.Tensor):
         raise TypeError(f"{fn} {where}: the GlobalTensor's block is {describe(x.local)}")
+    check_unmodified(x, fn, where)
 
 
 def reshard(tree: Any, specs: Any, *, mesh: DeviceMesh | None = None) -> Any:
