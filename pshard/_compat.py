@@ -6,7 +6,7 @@ relies on, so a torch release that moves one breaks this module's tests, not a f
 Imports torch only; every layer of pshard may import it.
 
 - functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`innermost`,
-:func:`unwrap_dead`, :func:`outside_transforms`;
+  :func:`unwrap_dead`, :func:`outside_transforms`;
 - the autograd engine: :func:`graph_task_id`;
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
   :func:`group_count`;
