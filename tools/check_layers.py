@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pshard._collectives",),
     ("pshard._remat",),
     ("pshard._shard_map",),
-    ("pshard._microbatch", "pshard.sequence"),
+    ("pshard._microbatch", "pshard.sequence", "pshard._state"),
     ("pshard.integrations",),
     ("pshard",),
 )
