@@ -141,7 +141,8 @@ def test_debug_mode_on_in_some_ranks_only_is_named(pool) -> None:
         + _at("_debug_in_rank0_only")
     ), text
     assert (
-        "; rank 1 waits in all_reduce in distributed_c10d.py, " + _at("_debug_in_rank0_only")
+        "; rank 1 waits in psum on axis 'x' (all_reduce in distributed_c10d.py), "
+        + _at("_debug_in_rank0_only")
         in text
     )
     assert text.endswith(

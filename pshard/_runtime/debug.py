@@ -15,7 +15,10 @@ on the group itself: a rank that skips the collective, calls it with another pyt
 with debug mode off would otherwise pair the fingerprint exchange with a different collective
 and hang (or abort). Each rank writes its fingerprint under ``(group, sequence number, rank)``
 and waits for the others' for ``PSHARD_DEBUG_TIMEOUT`` seconds (default 60); a rank still
-missing then is named in the error.
+missing then is named in the error. While it waits, the frame of that wait holds a
+:class:`CheckWait` (:func:`waiting` reads it, from another thread): ``ps.spawn`` looks there to
+name within seconds a rank that returned without the collective or skipped ahead to another
+one, and debug mode on in only some ranks (:mod:`pshard._runtime.stalls`).
 
 Process state: the sequence numbers (``_SEQUENCE``) are the one piece of module-level mutable
 state in the runtime, and they are not a cache (``ps.clear_caches()`` leaves them alone): one
@@ -29,8 +32,10 @@ from __future__ import annotations
 import contextvars
 import datetime
 import os
+import time
 import zlib
-from types import TracebackType
+from dataclasses import dataclass
+from types import FrameType, TracebackType
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,7 @@ from .._compat import default_store
 from .._core.checks import WIRE_DTYPES
 
 __all__ = [
+    "CheckWait",
     "DebugScope",
     "check_collective",
     "check_pytree",
@@ -47,6 +53,7 @@ __all__ = [
     "group_key",
     "perm_code",
     "sequence_state",
+    "waiting",
 ]
 
 _DEBUG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pshard_debug", default=None)
@@ -223,6 +230,28 @@ def group_key(group: dist.ProcessGroup) -> str:
     return getattr(group, "group_name", None) or str(dist.get_process_group_ranks(group))
 
 
+@dataclass(frozen=True)
+class CheckWait:
+    """What a rank waits for in a check: ``op`` on axis ``label`` (``group``, filed as
+    ``name``), its ``seq``-th check on that group, until ``deadline`` (``time.monotonic()``)."""
+
+    op: str
+    label: str
+    group: dist.ProcessGroup
+    name: str
+    seq: int
+    deadline: float
+
+
+def waiting(frame: FrameType) -> CheckWait | None:
+    """The :class:`CheckWait` of ``frame`` when it is a check waiting for the other ranks'
+    fingerprints, else ``None``."""
+    if frame.f_code is not _exchange.__code__:
+        return None
+    wait = frame.f_locals.get("wait")
+    return wait if isinstance(wait, CheckWait) else None
+
+
 def check_pytree(
     op: str, group: dist.ProcessGroup | None, label: str, leaves: int, code: int
 ) -> None:
@@ -293,6 +322,7 @@ def _exchange(
     keys = [f"{prefix}{r}" for r in range(size)]
     store.set(keys[me], ",".join(map(str, fp)))
     timeout = _timeout()
+    wait = CheckWait(op, label, group, name, seq, time.monotonic() + timeout)  # see waiting()
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception:  # the store's timeout error (its type differs between torch versions)
@@ -308,6 +338,7 @@ def _exchange(
             f"still computing, or debug mode is off on that rank (turn it on in every rank, "
             f"PSHARD_DEBUG=1; PSHARD_DEBUG_TIMEOUT sets the wait)"
         ) from None
+    del wait  # no longer waiting
     rows = [[int(v) for v in store.get(key).decode().split(",")] for key in keys]
     if seq:  # every rank has read the previous round: drop our key of it
         try:

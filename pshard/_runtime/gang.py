@@ -152,11 +152,11 @@ class Gang:
         first: tuple[bool, int] | None = None  # the failure to report: (is a death, rank)
         failed_at = 0.0
         watch = Watch(n, self.caller)
-        probe_at = 0.0  # once a rank has returned, the others are asked where they are
+        probe_at = time.monotonic() + PROBE_S  # then the running ranks say where they are
         self.healthy = False  # until every rank has answered (an interrupt leaves it so)
         while pending:
             limit = deadline if first is None else min(deadline, failed_at + _GRACE_S)
-            if first is None and running and values:
+            if first is None and running:
                 if time.monotonic() >= probe_at:
                     stall = self._probe(watch, pending, values)
                     if stall is not None:
@@ -166,7 +166,7 @@ class Gang:
                 limit = min(limit, probe_at)
             remaining = limit - time.monotonic()
             if remaining <= 0:
-                if first is None and running and values and time.monotonic() < deadline:
+                if first is None and running and time.monotonic() < deadline:
                     continue
                 break
             waitables: dict[Any, int] = {}

@@ -136,11 +136,14 @@ def spawn(
     (typically blocked in a collective) are torn down; when ``timeout`` seconds pass first,
     ``TimeoutError`` names the ranks still running. A rank that returns while another waits in
     a collective (one the returning rank never called) is a :class:`SpawnError` within seconds
-    naming the collective and the line that called it (the waiting ranks' main threads are
-    inspected once a rank has returned; computing ranks are left to finish), and ``sys.exit``
-    inside ``fn`` is a :class:`SpawnError` too, never a silent success. In every case all ranks
-    are terminated (then killed) and reaped before ``spawn`` raises: none is left running, and
-    if the calling process dies (SIGKILL included) every rank ends within a second. A call from
+    naming the collective and the line that called it (the running ranks' main threads are
+    inspected every second; computing ranks are left to finish). With debug mode on, so are
+    ranks that wait for each other in different collectives (one skipped a collective and waits
+    in the next) and debug mode on in only some ranks (docs: "When something goes wrong").
+    ``sys.exit`` inside ``fn`` is a :class:`SpawnError` too, never a silent success. In every
+    case all ranks are terminated (then killed) and reaped before ``spawn`` raises: none is left
+    running, and if the calling process dies (SIGKILL included) every rank ends within a second.
+    A call from
     a script's top level without ``if __name__ == "__main__":``, and ``fn`` defined in
     ``python -c`` or a notebook, are errors saying so.
 
