@@ -27,7 +27,7 @@ __all__ = ["RemoteTraceback", "SpawnError", "check_fn", "pickle_task", "spawn"]
 def check_fn(fn: object, caller: str) -> None:
     """Refuse, before any process starts, a ``fn`` the worker processes cannot import: not
     callable, a lambda or a nested function, unpicklable, or defined where no file holds it
-    (``python -c``, an interactive session, a notebook)."""
+    (``python -c``, standard input, an interactive session, a notebook)."""
     if not callable(fn):
         raise TypeError(f"{caller}: fn must be callable, got {type(fn).__name__}")
     qualname = getattr(fn, "__qualname__", "")
@@ -44,8 +44,14 @@ def check_fn(fn: object, caller: str) -> None:
             f"{caller}: fn {fn!r} cannot be pickled into the worker processes ({exc}); pass a "
             "function defined at the top level of an importable module"
         ) from exc
-    main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    # `python -c` and notebooks give no file, standard input (`python - <<EOF`) "<stdin>",
+    # which the workers would try to run as a script
+    if getattr(fn, "__module__", None) == "__main__" and (
+        not main_file
+        or not isinstance(main_file, str)
+        or (main_file.startswith("<") and main_file.endswith(">"))
+    ):
         raise TypeError(
             f"{caller}: fn {qualname!r} is defined in `python -c`, an interactive session or a "
             f"notebook, where the worker processes cannot import it from (they start fresh and "
@@ -145,7 +151,8 @@ def spawn(
     running, and if the calling process dies (SIGKILL included) every rank ends within a second.
     A call from
     a script's top level without ``if __name__ == "__main__":``, and ``fn`` defined in
-    ``python -c`` or a notebook, are errors saying so.
+    ``python -c``, standard input (``python - <<EOF``) or a notebook, are errors saying so
+    before any process starts.
 
     Args:
         fn: module-level function run on every rank; it can use ``torch.distributed``
