@@ -1,0 +1,645 @@
+"""The forward of a checkpoint, recorded below autograd and ``torch.func``, and its replay.
+
+While the checkpointed function runs its forward, :class:`Recorder` (a ``TorchDispatchMode``,
+so it sees the operators that really run, under every transform) writes one :class:`Entry`
+per operator into a :class:`Tape`: the operator, where each tensor argument came from (an
+input of the checkpoint, the output of an earlier entry, a new tensor, a tensor from outside),
+and the outputs the policy keeps. In the recompute, :class:`Replayer` identifies each operator
+by the same description: a kept entry returns its kept outputs instead of running (no FLOPs;
+for a collective, no communication), everything else runs. Autograd and ``torch.func`` sit
+above both modes, so a replayed output gets exactly the derivatives (backward, tangents,
+batching) it would get if it had been computed again.
+
+Identification is by content, not position: the key of a call is ``(operator, arguments)``
+with tensors replaced by their source, so operations that only the recompute runs (the
+tangent computations of an outer ``jvp``, autograd's bookkeeping) never take a kept value,
+and a kept value is returned only where the recompute computes the same thing from the same
+sources. Calls with the same key are matched in order. New tensors (``empty``, ``zeros_like``,
+...) are known by their shape and dtype alone, since ``torch.func`` may make them with another
+factory than the forward did; small constants (``torch.tensor([...])``) by their value.
+
+The recompute must run the same program: at its end every computing operation of the forward
+has been matched and the outputs come from the same entries, or :class:`Replayer` raises (a
+Python branch on a value that changed between the forward and the backward, an operation on
+a tensor from outside that was modified in place). Under ``vmap`` the batching rules may lay
+the same program out differently in the two runs, so there only the outputs' shapes are
+checked (by the caller).
+
+Random operations are never kept: the recompute draws the same numbers again from the
+generator states the forward had at its first draw (:mod:`pshard._remat.rng`). An output of
+the checkpoint that is still alive, unchanged, when the recompute reaches the operation that
+computed it is taken as it is (:attr:`Tape.returned`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from pshard._core.caches import cached
+from pshard._core.tree import NAMESPACE
+
+from . import compat
+from .policies import Policy, is_collective, is_p2p
+from .rng import Rewind, RngStates, capture
+
+__all__ = ["Entry", "Recorder", "Replayer", "Tape", "op_kind", "written"]
+
+_SIMPLE = (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout)
+_MEMORY_FORMAT = type(torch.contiguous_format)
+_SMALL = 64  # tensors from outside with at most this many elements are known by value
+
+# Operators autograd and functorch may add or leave out between two runs of the same program.
+_BOOKKEEPING = frozenset(
+    {"detach", "alias", "lift_fresh", "is_same_size", "_has_same_storage_numel"}
+)
+# Operators whose output depends on no tensor's values (only shapes, dtypes, constants).
+_FACTORIES = frozenset(
+    {
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
+        "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like",
+        "new_full", "scalar_tensor", "arange", "linspace", "logspace", "eye",
+    }
+)  # fmt: skip
+_KEEPABLE = ("compute", "write", "collective")
+# Operators that write arguments their schema does not mark (running statistics in training).
+_UNMARKED_WRITES = {
+    "native_batch_norm": (3, 4),
+    "cudnn_batch_norm": (3, 4),
+    "miopen_batch_norm": (3, 4),
+}
+
+
+@cached("pshard.remat.op_kind", maxsize=4096)
+def op_kind(op: Any) -> str:
+    """How the tape treats ``op``: ``"compute"`` (fresh outputs), ``"view"`` (outputs alias an
+    input), ``"write"`` (writes an argument in place), ``"random"``, ``"factory"`` (a new tensor
+    from shapes and constants), ``"collective"`` (a c10d collective, writes its first
+    argument), ``"p2p"`` (other communication)."""
+    if is_collective(op):
+        return "collective"
+    if is_p2p(op):
+        return "p2p"
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return "random"
+    if op._opname in _FACTORIES:
+        return "factory"
+    if op._opname in _UNMARKED_WRITES and op._overloadname == "default":
+        return "write"
+    schema = op._schema
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "write"
+    if any(r.alias_info is not None for r in schema.returns):
+        return "view"
+    return "compute"
+
+
+@cached("pshard.remat.written_args", maxsize=4096)
+def _write_positions(op: Any) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of the arguments ``op`` writes in place."""
+    if is_collective(op) or op._opname.startswith("recv"):
+        return ((0, op._schema.arguments[0].name),)
+    if is_p2p(op):
+        return ()
+    if op._opname in _UNMARKED_WRITES and op._overloadname == "default":
+        return tuple((i, op._schema.arguments[i].name) for i in _UNMARKED_WRITES[op._opname])
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(op._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def written(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``op`` writes in place, in order."""
+    out: list[torch.Tensor] = []
+    for i, name in _write_positions(op):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if value is not None:
+            leaves: list[Any] = optree.tree_leaves(value, namespace=NAMESPACE)
+            out.extend(x for x in leaves if isinstance(x, torch.Tensor))
+    return out
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() if t.numel() else None
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
+        return None
+
+
+def _describe_call(op: Any, tensors: Sequence[torch.Tensor]) -> str:
+    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
+    return f"{op} on ({shapes})" if tensors else f"{op}"
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One operator of the forward.
+
+    ``refs``/``geometry``: its outputs (the ``n_fresh`` fresh ones, then the tensors it wrote),
+    held weakly, and their (shape, stride, offset). While the forward runs, a saved
+    entry holds them (``held``), or a live tensor on their storage when only a name reached
+    them (``named``); from its end, ``slot`` is where in :attr:`Tape.kept` the values the
+    recompute returns instead of running the operator are (to go back to ``devices``)."""
+
+    op: Any
+    kind: str
+    text: str
+    spec: Any
+    template: list[tuple[str, Any]]
+    saved: bool = False
+    vetoed: bool = False
+    refs: list[weakref.ref[torch.Tensor]] = dataclasses.field(default_factory=list)
+    geometry: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    held: list[torch.Tensor] | None = None
+    named: torch.Tensor | None = None
+    slot: int = -1
+    devices: list[torch.device] = dataclasses.field(default_factory=list)
+    n_fresh: int = 0
+
+    def unsave(self) -> None:
+        self.saved, self.vetoed, self.held, self.named = False, True, None, None
+
+    def outputs(self) -> list[torch.Tensor] | None:
+        """Its outputs, from the live objects or rebuilt on the named storage (``None`` if one
+        is gone)."""
+        if self.held is not None:
+            return self.held
+        out = []
+        for ref, (shape, stride, offset) in zip(self.refs, self.geometry, strict=True):
+            t = ref()
+            if t is None and self.named is not None:
+                t = self.named.detach().as_strided(shape, stride, offset)
+            if t is None:
+                return None
+            out.append(t)
+        return out
+
+
+@dataclasses.dataclass(eq=False)
+class Tape:
+    """The record of one forward (see the module docs).
+
+    ``kept``: the values saved for the recompute, which the checkpoint hands to autograd to
+    hold (so they are freed when autograd frees what it saved) and gives back to
+    :class:`Replayer`. ``returned``: for the entries that computed the checkpoint's outputs,
+    those outputs as the checkpoint returned them (held weakly, with their version).
+    ``written_inputs``: the values of inputs the forward wrote in place, from before it did.
+    ``error``: a policy's error, raised once the forward is done (raised inside an operator,
+    Python may turn a ``TypeError`` into another one).
+    """
+
+    name: str
+    policy: Policy
+    vmapped: bool = False
+    entries: list[Entry] = dataclasses.field(default_factory=list)
+    index: dict[Hashable, list[int]] = dataclasses.field(default_factory=dict)
+    outputs: list[Hashable | None] = dataclasses.field(default_factory=list)
+    rng: RngStates | None = None
+    externals: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    written_inputs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    kept: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    returned: dict[int, dict[int, tuple[weakref.ref[torch.Tensor], int]]] = dataclasses.field(
+        default_factory=dict
+    )
+    error: BaseException | None = None
+
+
+class _Sources:
+    """Where each tensor seen in a run came from. Held weakly (a tensor that dies takes its
+    entry with it; its ``id`` may then name another tensor, which the check of the reference
+    tells apart), so the run keeps alive only what autograd keeps."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor | None]) -> None:
+        self._src: dict[int, tuple[weakref.ref[torch.Tensor], Hashable]] = {}
+        for i, t in enumerate(inputs):
+            if t is not None:
+                self.bind(compat.base_of(t), ("in", i))
+
+    def bind(self, t: torch.Tensor, source: Hashable) -> None:
+        self._src[id(t)] = (weakref.ref(t), source)
+
+    def forget(self, t: torch.Tensor) -> None:
+        self._src.pop(id(t), None)
+
+    def get(self, t: torch.Tensor) -> Hashable | None:
+        hit = self._src.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+
+def _outside(t: torch.Tensor) -> Hashable:
+    """The source of a tensor from outside the function: a small constant by its value
+    (``torch.tensor([...])`` makes a new one each run), anything else by identity and
+    version (kept alive by the tape, so its ``id`` stays its own). Forward-mode AD's efficient
+    zero tangents have no data to read."""
+    if t._is_zerotensor():
+        return ("zero", t.shape, t.dtype)
+    if t.numel() <= _SMALL and t.device.type == "cpu" and not t.requires_grad:
+        try:
+            return ("c", t.shape, t.dtype, tuple(t.detach().flatten().tolist()))
+        except RuntimeError:  # no data to read
+            pass
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = -1
+    return ("x", id(t), version)
+
+
+def _new(t: torch.Tensor) -> Hashable:
+    return ("new", t.shape, t.dtype, t.device.type)
+
+
+def _key(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sources: _Sources, extra: Any
+) -> tuple[Hashable, list[torch.Tensor]]:
+    leaves: list[Any]
+    leaves, spec = optree.tree_flatten(
+        (args, kwargs),  # type: ignore[arg-type]
+        none_is_leaf=True,
+        namespace=NAMESPACE,
+    )
+    parts: list[Hashable] = []
+    tensors: list[torch.Tensor] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            src = sources.get(x)
+            parts.append((_outside(x) if src is None else src, x.shape, x.dtype))
+        elif x is None or isinstance(x, (*_SIMPLE, _MEMORY_FORMAT)):
+            parts.append(x)
+        else:
+            parts.append(type(x).__qualname__)
+    return (op, spec, tuple(parts), extra), tensors
+
+
+def _template(
+    out: Any, fresh: list[torch.Tensor], writes: list[torch.Tensor]
+) -> tuple[Any, list[tuple[str, Any]]]:
+    """How to rebuild ``out`` from kept tensors: its tree structure and, per leaf, ``("t", k)``
+    the k-th fresh output, ``("w", m)`` the m-th written argument, ``("work", None)`` a finished
+    Work, ``("v", value)`` a constant. Appends the fresh outputs to ``fresh``."""
+    tmpl: list[tuple[str, Any]] = []
+    leaves, spec = optree.tree_flatten(out, none_is_leaf=True, namespace=NAMESPACE)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            m = next((i for i, w in enumerate(writes) if w is leaf), None)
+            if m is not None:
+                tmpl.append(("w", m))
+            else:
+                tmpl.append(("t", len(fresh)))
+                fresh.append(leaf)
+        elif "Work" in type(leaf).__name__ or "ScriptObject" in type(leaf).__name__:
+            tmpl.append(("work", None))
+        else:
+            tmpl.append(("v", leaf))
+    return spec, tmpl
+
+
+def _fresh(out: Any, writes: list[torch.Tensor]) -> list[torch.Tensor]:
+    leaves = optree.tree_leaves(out, none_is_leaf=True, namespace=NAMESPACE)
+    return [x for x in leaves if isinstance(x, torch.Tensor) and not any(x is w for w in writes)]
+
+
+def _bind(
+    sources: _Sources, j: int, kind: str, out: Any, fresh: list[torch.Tensor], writes: list[Any]
+) -> None:
+    """The sources of entry ``j``'s outputs; a random draw's are its place among the draws and
+    the position of each tensor in what it returns (``bernoulli_`` into a buffer in one run,
+    ``bernoulli`` in the other)."""
+    if kind == "random":
+        tensors = [
+            x for x in optree.tree_leaves(out, namespace=NAMESPACE) if isinstance(x, torch.Tensor)
+        ]
+        for m, t in enumerate(tensors):
+            sources.bind(t, ("rand", j, m))
+        return
+    for k, t in enumerate(fresh):
+        sources.bind(t, ("o", j, k))
+    for m, t in enumerate(writes):
+        sources.bind(t, ("o", j, "w", m))
+
+
+# --- the forward ----------------------------------------------------------------------------------
+
+
+class Recorder(compat.TorchDispatchMode):
+    """Record the forward into ``tape`` (see the module docs); ``inputs`` are the checkpoint's
+    inputs as the function receives them.
+
+    Raises (from inside the operator that does it) when the function reads a tensor that
+    requires grad without taking it as an argument (its gradient would be lost), or writes in
+    place to an input that requires grad. ``name(x, name)`` is the namer of
+    :func:`pshard.checkpoint_name` for this forward.
+    """
+
+    def __init__(self, tape: Tape, inputs: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.tape = tape
+        self._sources = _Sources(inputs)
+        self._inputs = list(inputs)
+        self._input_storage = {_storage(t): i for i, t in enumerate(inputs)}
+        self._input_storage.pop(None, None)
+        self._writer: dict[int, int] = {}  # storage -> entry that last wrote it
+        self._random = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        tape = self.tape
+        kind = op_kind(func)
+        if kind == "factory":
+            out = func(*args, **kwargs)
+            for t in _fresh(out, []):
+                self._sources.bind(t, _new(t))
+            return out
+        key, tensors = _key(func, args, kwargs, self._sources, None)
+        if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
+            if tape.rng is None:
+                tape.rng = capture()
+            key = ("random", self._random)
+            self._random += 1
+        if torch.is_grad_enabled():
+            self._closure(func, tensors)
+        writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
+        self._before_writing(func, writes)
+        out = func(*args, **kwargs)
+        j = len(tape.entries)
+        fresh: list[torch.Tensor] = []
+        entry = Entry(func, kind, _describe_call(func, tensors), *_template(out, fresh, writes))
+        tape.entries.append(entry)
+        tape.index.setdefault(key, []).append(j)
+        for t in tensors:
+            if self._sources.get(t) is None:
+                src = _outside(t)
+                self._sources.bind(t, src)
+                if src[0] == "x":  # type: ignore[index]
+                    tape.externals.append(t)
+        _bind(self._sources, j, kind, out, fresh, writes)
+        if kind == "view":
+            return out
+        for t in writes:
+            self._wrote(t, j)
+        for t in fresh:
+            st = _storage(t)
+            if st is not None:
+                self._writer[st] = j
+        outs = fresh + writes
+        entry.n_fresh = len(fresh)
+        entry.refs = [weakref.ref(t) for t in outs]
+        entry.geometry = [(t.shape, t.stride(), t.storage_offset()) for t in outs]
+        if kind in _KEEPABLE and tensors and self._ask(func, *args, **kwargs):
+            entry.saved, entry.held = True, outs
+        return out
+
+    def _ask(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        if self.tape.error is not None:
+            return False
+        try:
+            return bool(self.tape.policy(op, *args, **kwargs))
+        except Exception as e:  # raised after the forward, see Tape.error
+            self.tape.error = e
+            return False
+
+    def _closure(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.requires_grad and self._sources.get(t) is None:
+                raise ValueError(
+                    f"ps.checkpoint: {self.tape.name} reads a tensor that requires grad "
+                    f"(shape {tuple(t.shape)}, {t.dtype}, used by {func}) without taking it as "
+                    f"an argument, so its gradient would be lost; pass it as an argument "
+                    f"(ps.checkpoint(f)(x, w) rather than a closure over w), or checkpoint the "
+                    f"module that holds it (ps.checkpoint(layer))"
+                )
+
+    def _before_writing(self, func: Any, writes: list[torch.Tensor]) -> None:
+        """An input the function writes in place: keep its value from before (a BatchNorm's
+        running statistics; the recompute starts from it), or refuse it if it needs a
+        gradient."""
+        for t in writes:
+            i = self._input_storage.get(_storage(t))
+            if i is None or i in self.tape.written_inputs:
+                continue
+            if self._inputs[i].requires_grad:
+                raise ValueError(
+                    f"ps.checkpoint: {self.tape.name} writes its argument {i} in place (a "
+                    f"tensor of shape {tuple(self._inputs[i].shape)}, with {func}) and that "
+                    f"argument needs a gradient; a checkpointed function may write in place "
+                    f"only to tensors that need none (a BatchNorm's running statistics); "
+                    f"compute a new tensor instead (x = x * 2 rather than x.mul_(2))"
+                )
+            self.tape.written_inputs[i] = self._inputs[i].detach().clone()
+
+    def _wrote(self, t: torch.Tensor, j: int) -> None:
+        st = _storage(t)
+        if st is None:
+            return
+        before = self._writer.get(st)
+        if before is not None and before != j:
+            self.tape.entries[before].unsave()  # its kept value would be stale
+        self._writer[st] = j
+
+    def name(self, x: torch.Tensor, name: str) -> None:
+        """``checkpoint_name(x, name)`` in this forward: the entry that wrote ``x``'s data is
+        kept if the policy says so (``policy(checkpoint_name, x, name=name)``), recomputed if
+        the policy vetoes the name."""
+        from .names import checkpoint_name
+
+        st = _storage(compat.base_of(x))
+        j = None if st is None else self._writer.get(st)
+        if j is None:  # an input, a new tensor or a tensor from outside: nothing to recompute
+            return
+        entry = self.tape.entries[j]
+        if self.tape.policy.vetoes(name):
+            entry.unsave()
+        elif entry.kind in _KEEPABLE and not entry.vetoed:
+            if self._ask(checkpoint_name, x, name=name):
+                entry.saved = True
+                if entry.held is None:
+                    entry.named = compat.base_of(x)
+
+    def finish(self, outputs: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]) -> None:
+        """End of the forward: note where the ``outputs`` came from (and what the checkpoint
+        ``returned`` for them), keep what is saved (on the CPU when the policy offloads) and
+        let go of everything else."""
+        tape = self.tape
+        tape.outputs = [self._sources.get(compat.base_of(t)) for t in outputs]
+        for src, r in zip(tape.outputs, returned, strict=True):
+            if isinstance(src, tuple) and src[0] == "o" and isinstance(src[2], int):
+                entry = tape.entries[src[1]]
+                if entry.kind == "compute" and not entry.vetoed and not tape.vmapped:
+                    slots = tape.returned.setdefault(src[1], {})
+                    slots[src[2]] = (weakref.ref(r), r._version)
+        for entry in tape.entries:
+            kept = entry.outputs() if entry.saved else None
+            if kept is not None:
+                entry.devices = [t.device for t in kept]
+                entry.slot = len(tape.kept)
+                # detached: the forward's own graph (it ran with grad) must not stay alive
+                kept = [t.detach() for t in kept]
+                tape.kept += [_offload(t) for t in kept] if tape.policy.offload else kept
+            entry.saved = kept is not None
+            entry.refs, entry.held, entry.named = [], None, None
+        self._sources = _Sources(())
+        self._writer.clear()
+        self._inputs = []
+        self._input_storage.clear()
+
+
+def _offload(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _alive(slot: tuple[weakref.ref[torch.Tensor], int] | None) -> torch.Tensor | None:
+    if slot is None:
+        return None
+    t = slot[0]()
+    return t if t is not None and t._version == slot[1] else None
+
+
+# --- the recompute --------------------------------------------------------------------------------
+
+
+class Replayer(compat.TorchDispatchMode):
+    """Replay ``tape`` in a recompute whose inputs are ``inputs``, with the values ``kept``
+    (:attr:`Tape.kept`, as autograd held them) (see the module docs). ``replayed``: how many
+    operators took a kept value instead of running."""
+
+    def __init__(
+        self,
+        tape: Tape,
+        inputs: Sequence[torch.Tensor | None],
+        kept: Sequence[torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self.tape = tape
+        self._kept = kept
+        self._sources = _Sources(inputs)
+        self._next: dict[Hashable, int] = {}
+        self._matched = bytearray(len(tape.entries))
+        self._random = 0
+        self._rewind = Rewind(tape.rng) if tape.rng is not None else None
+        self._unmatched: str | None = None
+        self.replayed = 0
+        self._returned: dict[int, list[torch.Tensor]] = {}
+        for j, slots in tape.returned.items():
+            n = sum(tag == "t" for tag, _ in tape.entries[j].template)
+            alive = [_alive(slots.get(k)) for k in range(n)]
+            if all(t is not None for t in alive):
+                self._returned[j] = alive  # type: ignore[assignment]
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        kind = op_kind(func)
+        if kind == "factory":
+            out = func(*args, **kwargs)
+            for t in _fresh(out, []):
+                self._sources.bind(t, _new(t))
+            return out
+        key, tensors = _key(func, args, kwargs, self._sources, None)
+        if kind == "random":
+            if self._rewind is not None:
+                self._rewind.start()
+            key = ("random", self._random)
+            self._random += 1
+        j, again = None, False
+        candidates = self.tape.index.get(key)
+        if candidates is not None:
+            n = self._next.get(key, 0)
+            if n < len(candidates):
+                j = candidates[n]
+                self._next[key] = n + 1
+                self._matched[j] = 1
+            elif kind in ("compute", "view"):  # the same value again (an outer jvp's helper)
+                j, again = candidates[-1], True
+        writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
+        entry = None if j is None else self.tape.entries[j]
+        if entry is not None and not again and (entry.saved or j in self._returned):
+            out, fresh = self._replay(entry, writes, self._returned.get(j))  # type: ignore[arg-type]
+            self.replayed += 1
+        else:
+            out = func(*args, **kwargs)
+            fresh = _fresh(out, writes)
+        if j is None:
+            if self._unmatched is None and kind != "view" and func._opname not in _BOOKKEEPING:
+                self._unmatched = _describe_call(func, tensors)
+            for t in writes:
+                self._sources.forget(t)
+            return out
+        _bind(self._sources, j, kind, out, fresh, writes)
+        return out
+
+    def _replay(
+        self, entry: Entry, writes: list[torch.Tensor], returned: list[torch.Tensor] | None
+    ) -> tuple[Any, list[torch.Tensor]]:
+        if returned is not None and not entry.saved:
+            fresh = [t.detach() for t in returned]
+        else:  # fresh aliases (autograd may set a history on them); written tensors get copies
+            n = entry.n_fresh
+            kept = self._kept[entry.slot : entry.slot + len(entry.devices)]
+            fresh = [
+                t.to(d, non_blocking=True).detach()
+                for t, d in zip(kept[:n], entry.devices, strict=False)
+            ]
+            for w, t in zip(writes, kept[n:], strict=True):
+                w.copy_(t, non_blocking=True)
+        leaves: list[Any] = []
+        for tag, value in entry.template:
+            if tag == "t":
+                leaves.append(fresh[value])
+            elif tag == "w":
+                leaves.append(writes[value])
+            elif tag == "work":
+                leaves.append(compat.completed_work(writes))
+            else:
+                leaves.append(value)
+        return optree.tree_unflatten(entry.spec, leaves), fresh
+
+    def finish(self, outputs: Sequence[torch.Tensor], *, vmapped: bool) -> None:
+        """Check that the recompute ran the forward's program (see the module docs)."""
+        tape = self.tape
+        if vmapped or tape.vmapped:
+            return
+        instead = f"; it ran {self._unmatched} instead" if self._unmatched else ""
+        advice = (
+            "A checkpointed function must compute the same thing each time it is called with "
+            "the same arguments; a Python branch on a value that changed between the forward "
+            "and the backward (a counter, a global flag, a tensor from outside modified in "
+            "place) would make its gradient wrong. Make it depend on its arguments only, or do "
+            "not checkpoint it"
+        )
+        for j, entry in enumerate(tape.entries):
+            if self._matched[j] or entry.kind == "view" or entry.op._opname in _BOOKKEEPING:
+                continue
+            raise ValueError(
+                f"ps.checkpoint: the recompute of {tape.name} took another path than its "
+                f"forward: the forward ran {entry.text} (operation {j + 1} of "
+                f"{len(tape.entries)}), which the recompute did not{instead}. {advice}"
+            )
+        for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
+            if src is not None and self._sources.get(compat.base_of(t)) != src:
+                raise ValueError(
+                    f"ps.checkpoint: the recompute of {tape.name} took another path than its "
+                    f"forward: its output {i} ({tuple(t.shape)}, {t.dtype}) was computed "
+                    f"differently{instead}. {advice}"
+                )
+
+    def close(self) -> None:
+        """Put the generators back where the backward had them; let go of the run."""
+        if self._rewind is not None:
+            self._rewind.finish()
+        self._sources = _Sources(())
+        self._kept = ()
+        self._returned = {}

@@ -1,0 +1,620 @@
+"""ps.checkpoint against the function it checkpoints (float64, one process).
+
+Every derivative is compared with the same derivative of the function without a checkpoint,
+under every torch.func transform and their compositions, .backward() and double backward,
+for each kind of policy. What is recomputed is counted with a TorchDispatchMode below autograd
+(never assumed); what is kept alive is measured the same way (bytes of live storages).
+Multi-process cases (collectives, shard_map, sequence parallelism, microbatching) are in
+test_remat_dist.py, Hugging Face in test_remat_hf.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pshard._remat.checkpoint import CheckpointModule, checkpoint, remat
+from pshard._remat.compat import reparametrized
+from pshard._remat.names import checkpoint_name
+from pshard._remat.policies import checkpoint_policies as cp
+
+# torch scripts its jvp decompositions the first time jacfwd/jvp needs them (a torch warning)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
+
+f64 = torch.float64
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def close(a: Any, b: Any, tol: float = 1e-10) -> None:
+    la, ta = optree.tree_flatten(a)
+    lb, tb = optree.tree_flatten(b)
+    assert ta == tb, (ta, tb)
+    assert len(la) == len(lb) > 0
+    for x, y in zip(la, lb, strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
+        assert torch.allclose(x, y, rtol=tol, atol=tol), (x - y).abs().max()
+
+
+class Count(TorchDispatchMode):
+    """How many times each aten operator runs (below autograd and torch.func)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func._opname] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(fn: Callable[[], Any]) -> collections.Counter[str]:
+    with Count() as c:
+        fn()
+    return c.ops
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by the live storages that operators took or created."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in optree.tree_leaves((args, kwargs, out), none_is_leaf=True):
+            if isinstance(t, torch.Tensor) and t.numel():
+                st = t.untyped_storage()
+                self.live.setdefault(st.data_ptr(), (StorageWeakRef(st), st.nbytes()))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def peak_bytes(fn: Callable[[], Any]) -> int:
+    with LiveBytes() as m:
+        fn()
+    return m.peak
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=f64)
+
+
+# --- every transform, every kind of policy ------------------------------------------------------
+
+
+def body(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(x @ w, "h")
+    g = checkpoint_name(torch.tanh(h), "g")
+    return torch.sin(g) @ w.t() + x * h.sum()
+
+
+def custom_policy(op, *args, **kwargs) -> bool:
+    return op is checkpoint_name or op is torch.ops.aten.tanh.default
+
+
+POLICIES = {
+    "nothing": None,
+    "dots": cp.dots_saveable,
+    "names": cp.save_only_these_names("g"),
+    "all_but_h": cp.save_anything_except_these_names("h"),
+    "offload_dots": cp.offload(cp.dots_saveable),
+    "callable": custom_policy,
+}
+
+W, X = randn(3, 3), randn(2, 3)
+
+
+def _loss(f: Callable) -> Callable:
+    return lambda w, x: (f(w, x) ** 2).sum()
+
+
+def _backward(f: Callable) -> Any:
+    w, x = W.clone().requires_grad_(), X.clone().requires_grad_()
+    _loss(f)(w, x).backward()
+    return w.grad, x.grad
+
+
+def _double_backward(f: Callable) -> Any:
+    w, x = W.clone().requires_grad_(), X.clone().requires_grad_()
+    gw, gx = torch.autograd.grad(_loss(f)(w, x), (w, x), create_graph=True)
+    ((gw**2).sum() + (gw * gx.sum()).sum()).backward()
+    return w.grad, x.grad
+
+
+TRANSFORMS: dict[str, Callable[[Callable], Any]] = {
+    "grad": lambda f: grad(_loss(f), (0, 1))(W, X),
+    "vjp": lambda f: vjp(f, W, X)[1](torch.ones(2, 3, dtype=f64)),
+    "jacrev": lambda f: jacrev(f, (0, 1))(W, X),
+    "jacfwd": lambda f: jacfwd(f, (0, 1))(W, X),
+    "hessian": lambda f: hessian(_loss(f))(W, X),
+    "jvp": lambda f: jvp(f, (W, X), (torch.ones_like(W), X))[1],
+    "vmap": lambda f: vmap(f, (None, 0))(W, X * torch.arange(1.0, 5.0, dtype=f64)[:, None, None]),
+    "vmap_grad": lambda f: vmap(grad(_loss(f)), (None, 0))(W, torch.stack([X, X * 2])),
+    "grad_vmap": lambda f: grad(lambda w: vmap(_loss(f), (None, 0))(w, torch.stack([X, -X])).sum())(
+        W
+    ),
+    "grad_grad": lambda f: grad(lambda w: grad(_loss(f))(w, X).sin().sum())(W),
+    "jvp_grad": lambda f: jvp(grad(_loss(f)), (W, X), (X.t() @ X, X))[1],
+    "backward": _backward,
+    "double_backward": _double_backward,
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_transforms_match_the_function(transform: str, policy: str) -> None:
+    torch.manual_seed(0)
+    got = TRANSFORMS[transform](checkpoint(body, policy=POLICIES[policy]))
+    want = TRANSFORMS[transform](body)
+    close(got, want)
+
+
+def test_nested_checkpoints() -> None:
+    inner = checkpoint(lambda w, x: torch.tanh(x @ w) * 2, policy=cp.dots_saveable)
+
+    def f(w, x):
+        return torch.sin(inner(w, inner(w, x).sin()))
+
+    g = checkpoint(f)
+
+    def plain(w, x):
+        return torch.sin(torch.tanh(torch.sin(torch.tanh(x @ w) * 2) @ w) * 2)
+
+    for name in ("grad", "hessian", "jvp_grad", "vmap_grad", "grad_grad", "double_backward"):
+        close(TRANSFORMS[name](g), TRANSFORMS[name](plain))
+
+
+# --- what is recomputed -------------------------------------------------------------------------
+
+
+def _counts(policy: Any) -> collections.Counter[str]:
+    f = body if policy == "plain" else checkpoint(body, policy=policy)
+    return count(lambda: grad(_loss(f), (0, 1))(W, X))
+
+
+def test_nothing_saveable_recomputes_the_forward_once() -> None:
+    plain, ckpt = _counts("plain"), _counts(None)
+    forward = count(lambda: body(W, X))
+    assert ckpt["tanh"] == plain["tanh"] + forward["tanh"] == 2
+    assert ckpt["sin"] == plain["sin"] + forward["sin"]
+    assert ckpt["mm"] == plain["mm"] + forward["mm"]
+
+
+def test_dots_saveable_replays_matrix_products() -> None:
+    plain, ckpt = _counts("plain"), _counts(cp.dots_saveable)
+    assert ckpt["mm"] == plain["mm"]  # not one matmul more than without the checkpoint
+    assert ckpt["tanh"] == plain["tanh"] + 1 and ckpt["sin"] == plain["sin"] + 1
+
+
+def test_names_choose_what_is_recomputed() -> None:
+    plain = _counts("plain")
+    only_g = _counts(cp.save_only_these_names("g"))
+    assert only_g["tanh"] == plain["tanh"] and only_g["mm"] == plain["mm"] + 2
+    all_but_h = _counts(cp.save_anything_except_these_names("h"))
+    assert all_but_h["tanh"] == plain["tanh"] and all_but_h["sin"] == plain["sin"]
+    assert all_but_h["mm"] == plain["mm"] + 1  # x @ w, named "h", and only it
+
+
+def test_everything_saveable_recomputes_nothing() -> None:
+    assert _counts(cp.everything_saveable) == _counts("plain")
+
+
+def test_callable_policy_is_asked_about_each_operator_and_name() -> None:
+    asked: list[str] = []
+
+    def policy(op, *args, **kwargs) -> bool:
+        asked.append(f"name {kwargs['name']}" if op is checkpoint_name else op._opname)
+        return op is torch.ops.aten.sin.default
+
+    plain, got = _counts("plain"), _counts(policy)
+    assert {"mm", "tanh", "sin", "name h", "name g"} <= set(asked)
+    assert got["sin"] == plain["sin"] and got["tanh"] == plain["tanh"] + 1
+
+
+def test_one_name_labels_several_values() -> None:
+    def f(w, x):
+        for _ in range(3):
+            x = torch.tanh(checkpoint_name(x @ w, "pre"))
+        return x
+
+    plain = count(lambda: grad(_loss(f))(W, X))
+    got = count(lambda: grad(_loss(checkpoint(f, policy=cp.save_only_these_names("pre"))))(W, X))
+    # every "pre" is kept; the tanh of the first two layers are recomputed, the last one is the
+    # checkpoint's output, still alive in the backward of torch.func.grad, so it is taken as is
+    assert got["mm"] == plain["mm"] and got["tanh"] == plain["tanh"] + 2
+
+
+def test_a_value_overwritten_after_it_was_named_is_recomputed() -> None:
+    def f(w, x):
+        h = checkpoint_name(x @ w, "h")
+        h.mul_(2)  # the kept value would be stale: the recompute computes it again
+        return torch.sin(h)
+
+    g = checkpoint(f, policy=cp.save_only_these_names("h"))
+    close(grad(_loss(g), (0, 1))(W, X), grad(_loss(f), (0, 1))(W, X))
+    ops = count(lambda: grad(_loss(g))(W, X))
+    assert ops["mm"] == count(lambda: grad(_loss(f))(W, X))["mm"] + 1
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+
+def _mlp_layer(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x + torch.tanh(torch.tanh(x @ w1) * 1.5) @ w2
+
+
+def _mlp_loss(layer: Callable) -> Callable:
+    def loss(ws: list, x: torch.Tensor) -> torch.Tensor:
+        for w1, w2 in ws:
+            x = layer(w1, w2, x)
+        return x.square().sum()
+
+    return loss
+
+
+def _mlp(depth: int = 12) -> tuple[list, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(32, 128, generator=g) / 6, torch.randn(128, 32, generator=g) / 12)]
+    return ws * depth, torch.randn(256, 32, generator=g)
+
+
+def _step(layer: Callable, mode: str, ws: list, x: torch.Tensor) -> Callable[[], Any]:
+    if mode == "grad":
+        return lambda: grad(_mlp_loss(layer))(ws, x)
+    leaves = [[w.clone().requires_grad_() for w in pair] for pair in ws]
+    return lambda: _mlp_loss(layer)(leaves, x).backward()
+
+
+def test_peak_memory_matches_torch_utils_checkpoint() -> None:
+    ws, x = _mlp()
+    act = x.numel() * x.element_size()  # one layer's input; its hidden activations are 4x
+    plain = {m: peak_bytes(_step(_mlp_layer, m, ws, x)) for m in ("grad", "backward")}
+    ckpt = {m: peak_bytes(_step(checkpoint(_mlp_layer), m, ws, x)) for m in ("grad", "backward")}
+
+    def torch_layer(*args: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(_mlp_layer, *args, use_reentrant=False)
+
+    reference = peak_bytes(_step(torch_layer, "backward", ws, x))
+    assert ckpt["grad"] < 0.2 * plain["grad"] and ckpt["backward"] < 0.4 * plain["backward"]
+    assert ckpt["grad"] <= reference, (ckpt, reference)  # the functional step, as low as torch's
+    # under .backward() the consumer of a layer's output frees it before the layer's backward,
+    # so the recompute computes it again (torch's stops before the last operation)
+    assert ckpt["backward"] <= reference + act, (ckpt, reference)
+
+
+def test_dots_saveable_keeps_only_the_products() -> None:
+    ws, x = _mlp()
+    act = x.numel() * x.element_size()
+    nothing = peak_bytes(_step(checkpoint(_mlp_layer), "grad", ws, x))
+    dots = peak_bytes(_step(checkpoint(_mlp_layer, policy=cp.dots_saveable), "grad", ws, x))
+    plain = peak_bytes(_step(_mlp_layer, "grad", ws, x))
+    assert nothing < dots < plain
+    assert 4 * len(ws) * act <= dots - nothing <= 5 * len(ws) * act  # x @ w1 (4x), h @ w2 (1x)
+
+
+# --- the contexts of the forward ----------------------------------------------------------------
+
+SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("SCALE", default=1.0)
+
+
+def test_recompute_sees_the_context_of_the_forward() -> None:
+    def f(x):
+        return torch.sin(x) * SCALE.get()
+
+    x = randn(3)
+    token = SCALE.set(3.0)
+    try:
+        _, pull = vjp(checkpoint(f), x)
+    finally:
+        SCALE.reset(token)
+    (got,) = pull(torch.ones(3, dtype=f64))  # the backward runs after the context exited
+    torch.testing.assert_close(got, 3.0 * torch.cos(x))
+
+
+def _dropout_step(f: Callable, x: torch.Tensor, w: torch.Tensor) -> Any:
+    torch.manual_seed(1)
+    g = grad(lambda w: f(w, x).square().sum())(w)
+    return g, torch.get_rng_state()
+
+
+def test_random_ops_draw_the_same_numbers_in_the_recompute() -> None:
+    def f(w, x):
+        h = F.dropout(torch.tanh(x @ w), p=0.5, training=True)
+        return F.dropout(h @ w, p=0.3, training=True) + torch.rand_like(h)
+
+    x, w = randn(8, 6), randn(6, 6)
+    want, state = _dropout_step(f, x, w)
+    for policy in (None, cp.dots_saveable, cp.save_anything_except_these_names()):
+        got, after = _dropout_step(checkpoint(f, policy=policy), x, w)
+        close(got, want)
+        assert torch.equal(after, state)  # the global generator ends where it would
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_random_ops_on_cuda() -> None:
+    def f(w, x):
+        return F.dropout(torch.tanh(x @ w), p=0.5, training=True) @ w
+
+    x, w = randn(8, 6).cuda(), randn(6, 6).cuda()
+
+    def step(g: Callable) -> Any:
+        torch.manual_seed(1)
+        out = grad(lambda w: g(w, x).square().sum())(w)
+        return out, torch.cuda.get_rng_state()
+
+    (want, state), (got, after) = step(f), step(checkpoint(f))
+    close(got, want)
+    assert torch.equal(after, state)
+
+
+# --- modules --------------------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(4, 8)
+        self.down = torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x))) * self.scale
+
+
+class Net(torch.nn.Module):
+    def __init__(self, wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([wrap(Block()) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.square().sum()
+
+
+def test_checkpointed_module_has_the_layers_parameters() -> None:
+    layer = Block().double()
+    wrapped = checkpoint(layer)
+    assert isinstance(wrapped, CheckpointModule)
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in layer.named_parameters()]
+    assert all(a is b for a, b in zip(wrapped.parameters(), layer.parameters(), strict=True))
+    assert wrapped.state_dict().keys() == layer.state_dict().keys()
+    assert wrapped.up is layer.up and wrapped.scale is layer.scale
+    wrapped.eval()
+    assert not layer.training
+    wrapped.train()
+    assert layer.training
+
+
+def test_functional_call_grad_through_checkpointed_modules() -> None:
+    plain = Net(lambda b: b).double()
+    ckpt = Net(checkpoint).double()
+    ckpt.load_state_dict(plain.state_dict())
+    params = {k: v.detach() + 0.1 for k, v in plain.named_parameters()}  # not the module's own
+    x = randn(5, 4)
+
+    def loss(model: torch.nn.Module) -> Callable:
+        return lambda p: functional_call(model, p, (x,))
+
+    close(grad(loss(ckpt))(params), grad(loss(plain))(params))
+    close(
+        hessian(loss(ckpt))(params)["blocks.0.up.bias"],
+        hessian(loss(plain))(params)["blocks.0.up.bias"],
+    )
+    ops = count(lambda: grad(loss(ckpt))(params))
+    assert ops["tanh"] == 2 * count(lambda: grad(loss(plain))(params))["tanh"]
+
+
+@pytest.mark.parametrize("how", ["module", "bound_method", "closure", "partial"])
+def test_modules_a_function_reaches_are_differentiated(how: str) -> None:
+    layer = Block().double()
+    x = randn(5, 4)
+    calls: dict[str, Callable[[], torch.Tensor]] = {
+        "module": lambda: checkpoint(layer)(x),
+        "bound_method": lambda: checkpoint(layer.forward)(x),
+        "closure": lambda: checkpoint(lambda x: layer(x))(x),
+        "partial": lambda: checkpoint(functools.partial(Block.forward, layer), x),  # HF's way
+    }
+    params = {k: v.detach() + 0.1 for k, v in layer.named_parameters()}
+
+    def loss(p: dict, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with reparametrized(layer, p):  # what an outer functional_call does
+            return call().square().sum()
+
+    close(grad(loss)(params, calls[how]), grad(loss)(params, lambda: layer(x)))
+    ops = count(lambda: grad(loss)(params, calls[how]))
+    assert ops["tanh"] == 2 * count(lambda: grad(loss)(params, lambda: layer(x)))["tanh"]
+
+
+def test_batchnorm_running_statistics_are_updated_once() -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).double()
+    ckpt = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).double()
+    ckpt.load_state_dict(plain.state_dict())
+    wrapped = checkpoint(ckpt)
+    x = randn(6, 4)
+    plain(x).square().sum().backward()
+    wrapped(x).square().sum().backward()
+    close(dict(ckpt.named_buffers()), dict(plain.named_buffers()))
+    close([p.grad for p in ckpt.parameters()], [p.grad for p in plain.parameters()])
+
+
+# --- calling conventions, pytrees ---------------------------------------------------------------
+
+
+def test_calling_conventions() -> None:
+    def f(w, x):
+        return torch.tanh(x @ w)
+
+    want = grad(lambda w: f(w, X).sum())(W)
+    assert remat is checkpoint
+    close(grad(lambda w: checkpoint(f)(w, X).sum())(W), want)
+    close(grad(lambda w: checkpoint(f, w, X).sum())(W), want)  # torch.utils.checkpoint's
+    close(grad(lambda w: checkpoint(f, w, x=X).sum())(W), want)
+    close(grad(lambda w: checkpoint(policy=cp.dots_saveable)(f)(w, X).sum())(W), want)
+
+    @checkpoint
+    def g(w, x):
+        return f(w, x)
+
+    close(grad(lambda w: g(w, X).sum())(W), want)
+    assert g.__name__ == "g"
+
+
+def test_pytree_arguments_and_outputs() -> None:
+    def f(tree, n, flag=None):
+        a = tree["a"] @ tree["b"][0]
+        return {"y": (a * n).sin(), "n": n, "idx": a.argmax(-1), "none": flag}
+
+    b = randn(3, 3)
+
+    def loss(f: Callable) -> Callable:
+        return lambda a: f({"a": a, "b": [b, "label"]}, 3)["y"].square().sum()
+
+    got = checkpoint(f)({"a": X, "b": [b, "label"]}, 3)
+    assert got["n"] == 3 and got["none"] is None and got["idx"].dtype == torch.int64
+    close(got["y"], f({"a": X, "b": [b, "label"]}, 3)["y"])
+    close(grad(loss(checkpoint(f)))(X), grad(loss(f))(X))
+    a = X.clone().requires_grad_()
+    loss(checkpoint(f))(a).backward()
+    close(a.grad, grad(loss(f))(X))
+
+
+def test_no_grad_runs_the_function_as_is() -> None:
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x * 2
+
+    with torch.no_grad():
+        assert torch.equal(checkpoint(f)(torch.ones(2)), torch.full((2,), 2.0))
+    assert calls == [1]
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+def test_unknown_policies_are_refused() -> None:
+    with pytest.raises(TypeError, match=re.escape("ps.checkpoint: policy='dots' is a string")):
+        checkpoint(body, policy="dots")
+    with pytest.raises(TypeError, match="did you mean policy=ps.checkpoint_policies.dots_saveable"):
+        checkpoint(body, policy="dots")
+    with pytest.raises(
+        TypeError, match=re.escape("is a function that makes a policy, not a policy; call it")
+    ):
+        checkpoint(body, policy=cp.save_only_these_names)
+    with pytest.raises(
+        TypeError, match=re.escape("ps.checkpoint: policy is an int (3), not a policy")
+    ):
+        checkpoint(body, policy=3)
+    with pytest.raises(
+        TypeError, match=re.escape("cannot be called as policy(op, *args, **kwargs)")
+    ):
+        checkpoint(body, policy=lambda: True)
+    with pytest.raises(TypeError, match="names must be strings"):
+        cp.save_only_these_names("a", 3)
+    with pytest.raises(TypeError, match=re.escape("fn must be a function or an nn.Module")):
+        checkpoint(3)
+
+    def maybe(op, *args, **kwargs):
+        return None
+
+    with pytest.raises(TypeError, match=re.escape("returned None for aten.mm.default")):
+        grad(_loss(checkpoint(body, policy=maybe)), (0, 1))(W, X)
+
+
+def test_closure_over_a_differentiated_tensor_is_refused() -> None:
+    w = W.clone().requires_grad_()
+    f = checkpoint(lambda x: torch.tanh(x @ w))
+    with pytest.raises(
+        ValueError, match=re.escape("reads a tensor that requires grad (shape (3, 3)")
+    ):
+        f(X.clone().requires_grad_())
+    with pytest.raises(ValueError, match="reads a tensor of an enclosing torch.func transform"):
+        grad(lambda w: checkpoint(lambda x: torch.tanh(x @ w))(X).sum())(W)
+    with pytest.raises(ValueError, match="reads a tensor of an enclosing torch.func transform"):
+        jvp(lambda w: checkpoint(lambda x: torch.tanh(x @ w))(X), (W,), (W,))
+
+
+def test_closure_over_constants_is_exact() -> None:
+    mask = (randn(2, 3) > 0).double()
+    f = checkpoint(lambda w, x: torch.tanh(x @ w) * mask)
+    g = lambda w, x: torch.tanh(x @ w) * mask  # noqa: E731
+    for name in ("grad", "hessian", "backward", "vmap_grad"):
+        close(TRANSFORMS[name](f), TRANSFORMS[name](g))
+
+
+def test_another_path_in_the_recompute_is_an_error() -> None:
+    calls = [0]
+
+    def flaky(w, x):
+        calls[0] += 1
+        h = x @ w
+        return torch.sin(h) if calls[0] == 1 else torch.cos(h)
+
+    msg = (
+        "ps.checkpoint: the recompute of test_another_path_in_the_recompute_is_an_error."
+        "<locals>.flaky took another path than its forward: the forward ran aten.sin.default "
+        "on ((2, 3) float64)"
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        grad(_loss(checkpoint(flaky)))(W, X)
+    calls[0] = 0
+    with pytest.raises(ValueError, match="it ran aten.cos.default on"):
+        _backward(checkpoint(flaky))
+
+    def shapes(w, x):
+        calls[0] += 1
+        return x[: 3 - calls[0]] @ w
+
+    calls[0] = 0
+    with pytest.raises(ValueError, match="took another path than its forward|returned"):
+        grad(_loss(checkpoint(shapes)))(W, randn(3, 3))
+
+
+def test_a_tensor_modified_in_place_before_the_backward_is_an_error() -> None:
+    scale = randn(3)
+
+    def f(w, x):
+        return torch.tanh(x @ w) * scale
+
+    _, pull = vjp(checkpoint(f), W, X)
+    scale.mul_(2)
+    with pytest.raises(ValueError, match="took another path than its forward"):
+        pull(torch.ones(2, 3, dtype=f64))
+
+
+def test_writing_a_differentiated_argument_in_place_is_an_error() -> None:
+    def f(x):
+        x.mul_(2)
+        return x.sin()
+
+    x = randn(3).requires_grad_()
+    msg = (
+        "ps.checkpoint: test_writing_a_differentiated_argument_in_place_is_an_error.<locals>.f "
+        "writes in place to one of its arguments that needs a gradient"
+    )
+    for arg in (x, x * 1):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            checkpoint(f)(arg)
