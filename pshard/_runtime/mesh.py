@@ -223,6 +223,11 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
     size and this rank's index. A tuple of names is their product, major to minor in the order
     given, as in JAX (``("y", "x")`` on a mesh ``{"x": 2, "y": 2}``: index ``2 * y + x``).
 
+    Raises:
+        RuntimeError: no default process group (destroyed, or never initialised), or no
+            current mesh.
+        ValueError: an axis name not in the mesh, or named twice.
+
     Example:
         >>> import pshard as ps
         >>> mesh = ps.init_mesh({"dp": 1, "sp": 1})
@@ -231,11 +236,15 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
         (1, 0, 'dp,sp')
     """
     if isinstance(axis, dist.ProcessGroup):
+        if not dist.is_initialized():
+            raise RuntimeError(_no_group(axis, fn))
         size = dist.get_world_size(axis)
         return AxisInfo(axis if size > 1 else None, size, dist.get_rank(axis), f"group{size}")
     scope = _CURRENT_MESH.get()
     if mesh is None:
         mesh = current_mesh()  # raises when there is none
+    if not dist.is_initialized():  # the mesh outlived its groups
+        raise RuntimeError(_no_group(axis, fn))
     # axes resolved in the current mesh are cached in its scope; another mesh resolves afresh
     cache = scope.axes if scope is not None and scope.mesh is mesh else {}
     key = (
@@ -250,6 +259,16 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
     if key is not None:
         cache[key] = info
     return info
+
+
+def _no_group(axis: Axis, fn: str) -> str:
+    what = "the process group given" if isinstance(axis, dist.ProcessGroup) else repr(axis)
+    return (
+        f"{fn}: the default process group was destroyed (torch.distributed."
+        f"destroy_process_group) or never initialised, so axis {what} has no process group to "
+        f"run on; start one with ps.spawn (local processes), torchrun (a job), or ps.init_mesh "
+        f"(a world of one process, or torchrun's environment), then make the mesh again"
+    )
 
 
 def _resolve_names(names: tuple[str, ...], mesh: DeviceMesh, axis: Axis, fn: str) -> AxisInfo:
