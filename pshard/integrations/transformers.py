@@ -18,15 +18,18 @@ reach the attention as segment ids computed over the whole sequence by the pre-h
 **Activation checkpointing** (``gradient_checkpointing_enable()``): checkpointed layers run
 again during the backward pass, which may come after the block has restored the model's own
 attention. A backward pass through a call made inside the block therefore plugs pshard's
-attention again for the duration of that pass (through the call's ``backward_scope``, see
-:mod:`pshard.sequence._context`) and restores the model's own when the pass ends.
+attention again for the duration of that pass (:meth:`TransformersAdapter.use_attention`,
+through the call's backward scope, see :mod:`pshard.sequence._context`) and restores the model's
+own when the pass ends.
 
-**Conventions the hooks own** (see :func:`prepare_call`): a KV cache, ``use_cache=True`` and
+**Conventions the adapter owns** (:meth:`TransformersAdapter.prepare`, applied by the hooks to
+the whole call before the split): a KV cache, ``use_cache=True`` and
 ``output_attentions`` are refused; ``labels`` are shifted over the whole sequence into
 ``shift_labels`` before the split (unless given), and ``num_items_in_batch`` is the count of the
 whole batch (unless given), so the loss each rank's model computes is its share of the
-single-process loss; the post-hook sums the shares (``loss`` is then the single-process loss on
-every rank, with a backward that leaves each rank its share of the gradients).
+single-process loss; the post-hook sums the shares (:meth:`TransformersAdapter.sum_loss`:
+``loss`` is then the single-process loss on every rank, with a backward that leaves each rank
+its share of the gradients).
 """
 
 from __future__ import annotations
