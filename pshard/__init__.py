@@ -49,6 +49,7 @@ from ._shard_map.global_ops import reshard as reshard
 from ._shard_map.global_ops import shard as shard
 from ._shard_map.global_ops import to_dtensor as to_dtensor
 from ._shard_map.shard_map import shard_map as shard_map
+from .integrations import transformers as _transformers  # noqa: F401 (registers its adapter)
 from .sequence._broadcast import broadcast_batches as broadcast_batches
 from .sequence._context import seq_positions as seq_positions
 from .sequence._heads import heads_to_seq as heads_to_seq

@@ -7,7 +7,8 @@ Imports torch only; every layer of pshard may import it.
 
 - functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`innermost`,
   :func:`unwrap_dead`, :func:`outside_transforms`;
-- the autograd engine: :func:`graph_task_id`;
+- the autograd engine: :func:`graph_task_id`, :func:`queue_backward_callback`;
+- private kernels: :func:`aten_op`;
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
   :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
@@ -36,11 +37,13 @@ __all__ = [
     "constant_source",
     "default_store",
     "fake_tensor_types",
+    "aten_op",
     "graph_task_id",
     "innermost",
     "group_count",
     "is_wrapped",
     "outside_transforms",
+    "queue_backward_callback",
     "register_torch_pytree",
     "resolve_group",
     "transforms_active",
@@ -85,6 +88,17 @@ def outside_transforms() -> Iterator[None]:
 def graph_task_id() -> int:
     """The id of the backward pass running in this thread; negative outside one."""
     return int(torch._C._current_graph_task_id())
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Have the autograd engine call ``callback`` when the running backward pass succeeds."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def aten_op(name: str) -> Any:
+    """The ``torch.ops.aten`` op ``name`` (a private kernel entry point), or ``None`` where
+    this torch build lacks it."""
+    return getattr(torch.ops.aten, name, None)
 
 
 def default_store() -> Any:

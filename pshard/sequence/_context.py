@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._collectives.apply import call
-from .._compat import graph_task_id
+from .._compat import graph_task_id, queue_backward_callback
 from .._core.tree import tree_map
 from .._runtime.mesh import Axis, use_mesh
 from ._layouts import SeqLayout
@@ -200,7 +200,7 @@ class _OnEnd:
 
 def _at_end_of_pass(callback: Callable[[], None]) -> None:
     """Have the autograd engine call ``callback`` when the running backward pass succeeds."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    queue_backward_callback(callback)
 
 
 def _file(ctx: SeqContext) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from .._compat import aten_op
 from .._core.caches import cached
 
 __all__ = [
@@ -89,10 +90,8 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- CPU
 
 
-_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_BACKWARD = getattr(
-    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
-)
+_CPU = aten_op("_scaled_dot_product_flash_attention_for_cpu")
+_CPU_BACKWARD = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def flash_kernel(forward_op: Callable[..., Any], backward_op: Callable[..., Any]) -> BlockKernel:
@@ -153,10 +152,8 @@ def efficient_kernel(
     return BlockKernel("efficient (cuda)", forward, backward, masks=True, cut=False, align=8)
 
 
-_EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
-_EFFICIENT_BACKWARD = getattr(
-    torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", None
-)
+_EFFICIENT = aten_op("_scaled_dot_product_efficient_attention")
+_EFFICIENT_BACKWARD = aten_op("_scaled_dot_product_efficient_attention_backward")
 CUDA = (
     efficient_kernel(_EFFICIENT, _EFFICIENT_BACKWARD)
     if _EFFICIENT is not None and _EFFICIENT_BACKWARD is not None
