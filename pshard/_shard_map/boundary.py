@@ -32,7 +32,6 @@ for error messages.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import zlib
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._core.caches import cached
 from .._core.checks import WIRE_DTYPES
 from .._core.layout import index_runs
 from .._core.placements import Shard, StridedShard
@@ -116,7 +116,7 @@ def _mesh_sizes(sizes: tuple[int, ...], perm: tuple[int, ...]) -> tuple[int, ...
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached("layout plans of map boundaries", 1024)
 def _plan(
     shards: tuple[Shard | StridedShard, ...],
     sizes: tuple[int, ...],
