@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import pshard as ps
+from pshard._runtime.stalls import STUCK_S, Position, Watch
 
 _HERE = os.path.abspath(__file__)
 
@@ -193,3 +194,57 @@ def test_spawn_of_a_function_read_from_standard_input_says_so() -> None:
         "import it"
     ) in proc.stderr, proc.stderr
     assert "joined the process group" not in proc.stderr  # raised before any rank started
+
+
+# ---------------------------------------------------------------- the rules, single process
+
+
+def _check(group: str, step: int, members: tuple[int, ...], left_s: float = 60.0) -> Position:
+    return Position("check", "psum on axis 'x'", "f (a.py:1)", group, members, step, True, left_s)
+
+
+def _in(group: str, members: tuple[int, ...], debug: bool | None = None) -> Position:
+    what = "all_reduce in distributed_c10d.py"
+    return Position("collective", what, "f (a.py:2)", group, members, debug=debug)
+
+
+def _stall(seen: dict[int, Position], returned: tuple[int, ...] = (), for_s: float = STUCK_S):
+    """What a Watch says of ranks seen at the same place for ``for_s`` seconds."""
+    watch = Watch(4, "spawn")
+    for now in (0.0, for_s):
+        for rank, where in seen.items():
+            watch.see(rank, where, now)
+    return watch.stall(set(seen), set(returned), for_s)
+
+
+def test_stall_rules() -> None:
+    computing = Position("computing")
+    # waits for a rank that returned
+    text = _stall({0: _check("g", 5, (0, 1))}, returned=(1,))
+    assert text is not None and text.startswith(
+        "spawn: rank 1 of 4 returned while rank 0 is still waiting in a collective (psum on axis "
+        "'x', in debug mode's check, called from f (a.py:1)) for more than 3 s"
+    )
+    # a rank that returned outside the group waited on, while the rank waited for computes
+    assert _stall({0: _in("g", (0, 1)), 1: computing}, returned=(3,)) is None
+    # not at the same place for long enough; a check about to report itself
+    assert _stall({0: _check("g", 5, (0, 1))}, returned=(1,), for_s=STUCK_S - 0.1) is None
+    assert _stall({0: _check("g", 5, (0, 1), left_s=1.0)}, returned=(1,)) is None
+    # each waits in a check on a different group for the other
+    text = _stall({0: _check("g1", 5, (0, 1)), 1: _check("g2", 0, (0, 1))})
+    assert text is not None and text.startswith(
+        "spawn: ranks 0, 1 of 4 wait for each other in different collectives for more than 3 s "
+        "(rank 0 waits in psum on axis 'x', in debug mode's check, called from f (a.py:1), for "
+        "rank 1; rank 1 waits in "
+    )
+    # a chain that ends in a computing rank may still move
+    assert _stall({0: _check("g1", 5, (0, 1)), 1: _check("g2", 0, (1, 2)), 2: computing}) is None
+    # waiting for ranks in a collective that is under way (all its ranks are in it)
+    assert _stall({0: _check("g1", 5, (0, 2)), 1: _in("g2", (1, 2)), 2: _in("g2", (1, 2))}) is None
+    # debug mode off in the rank waited for, which waits in the collective itself
+    text = _stall({0: _check("g", 5, (0, 1)), 1: _in("g", (0, 1), debug=False)})
+    assert text is not None and text.startswith(
+        "spawn: debug mode is on in rank 0 and off in rank 1 of 4, which wait for each other"
+    )
+    # the same without debug mode's checks: not known from outside
+    assert _stall({0: _in("g1", (0, 1)), 1: _in("g2", (0, 1))}) is None

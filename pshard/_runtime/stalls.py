@@ -10,7 +10,8 @@ Caller side, :class:`Watch`: the caller of a gang asks every running rank where 
 at the same collective (or the same check) for :data:`STUCK_S` seconds is *stuck*, and the run
 cannot finish when
 
-- a rank has returned while another is stuck: it waits for a rank that has left; or
+- a rank is stuck waiting for a rank that has returned (when its group is not known: any
+  rank has returned): it waits for a rank that has left; or
 - a rank is stuck in a check, and every rank it waits for is stuck too (or has returned), and
   every rank those wait for, and so on: they wait for each other. A rank waits in a check for
   the ranks of its group that are not in the same check, and in a collective for the ranks of
@@ -208,14 +209,17 @@ class Watch:
         ``None`` while they may."""
         here = {r: self._seen[r][0] for r in running if r in self._seen}
         stuck = {r for r in here if self._stuck(r, now)}
-        if returned and stuck:
-            rank = min(stuck)
-            return (
-                f"{self._caller}: {ranks_text(returned)} of {self._nprocs} returned while rank "
-                f"{rank} is still waiting in a collective ({here[rank].describe()}) for more "
-                f"than {STUCK_S:g} s: every rank must call the same collectives, and the "
-                f"returning rank never called this one; all ranks were terminated"
-            )
+        for rank in sorted(stuck) if returned else ():
+            # the ranks it waits for that have returned (all returned: its group is not known)
+            waits_for = _waits_for(rank, here)
+            left = set(returned) if waits_for is None else waits_for & set(returned)
+            if left:
+                return (
+                    f"{self._caller}: {ranks_text(left)} of {self._nprocs} returned while rank "
+                    f"{rank} is still waiting in a collective ({here[rank].describe()}) for "
+                    f"more than {STUCK_S:g} s: every rank must call the same collectives, and "
+                    f"the returning rank never called this one; all ranks were terminated"
+                )
         waits = {r: w for r in stuck if (w := _waits_for(r, here)) is not None and w}
         for r in sorted(waits):
             if here[r].kind == "check":
