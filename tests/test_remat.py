@@ -330,6 +330,45 @@ def test_recompute_sees_the_context_of_the_forward() -> None:
     torch.testing.assert_close(got, 3.0 * torch.cos(x))
 
 
+def test_recompute_sees_the_mesh_and_debug_mode_of_the_forward() -> None:
+    import pshard as ps
+
+    def f(x):
+        scale = ps.axis_size("x") * (3.0 if ps.debug_enabled() else 1.0)
+        return ps.psum(torch.sin(x), "x") * scale
+
+    def run() -> None:
+        mesh = ps.init_mesh({"x": 1})
+        ps.init_mesh({"y": 1})  # current after the forward: it has no axis "x"
+        x = randn(3)
+        with ps.use_mesh(mesh), ps.debug():
+            _, pull = vjp(checkpoint(f), x)
+        assert not ps.debug_enabled()
+        with pytest.raises(ValueError):
+            ps.axis_size("x")  # outside, the axis is not there
+        (got,) = pull(torch.ones(3, dtype=f64))
+        torch.testing.assert_close(got, 3.0 * torch.cos(x))
+
+    contextvars.copy_context().run(run)  # the meshes stay in this test
+
+
+def test_nests_both_ways_with_pmap_microbatch() -> None:
+    import pshard as ps
+
+    def f(w, x):
+        return torch.tanh(x @ w).square().mean()
+
+    w, x = randn(3, 3), randn(8, 3)
+    mb = functools.partial(ps.pmap_microbatch, num_microbatches=4, in_specs=(None, ps.Shard(0)))
+    want = grad(f)(w, x)
+    close(grad(mb(checkpoint(f)))(w, x), want)  # checkpoint inside the microbatch loop
+    close(grad(checkpoint(mb(f)))(w, x), want)  # the whole loop recomputed
+    close(mb(grad(checkpoint(f)), out_specs=ps.Partial("mean"))(w, x), want)  # accumulation
+    mean = ps.Partial("mean")  # no batch-dim analysis in what is counted
+    ops = count(lambda: grad(mb(checkpoint(f), out_specs=mean))(w, x))
+    assert ops["tanh"] == 2 * count(lambda: grad(mb(f, out_specs=mean))(w, x))["tanh"] == 8
+
+
 def _dropout_step(f: Callable, x: torch.Tensor, w: torch.Tensor) -> Any:
     torch.manual_seed(1)
     g = grad(lambda w: f(w, x).square().sum())(w)

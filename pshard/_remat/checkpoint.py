@@ -434,6 +434,8 @@ def _apply(
         return fn(*args, **kwargs)  # nothing will differentiate it: nothing to recompute
     fn, args, kwargs = unpack_partial(fn, args, kwargs)
     leaves, treedef = tree_flatten((args, kwargs))
+    if compat.tracing([x for x in leaves if isinstance(x, torch.Tensor)]):
+        return fn(*args, **kwargs)  # a trace (torch.compile, fake tensors) recomputes nothing
     return _Call(fn, _name(fn), policy, treedef, leaves, Lifted(find_modules(fn, leaves))).apply()
 
 

@@ -18,6 +18,8 @@ moves one breaks this module's tests, not the remat machinery far away. Tested o
 - ``torch._C._distributed_c10d._create_work_from_future``: :func:`completed_work`, the result of
   a collective that the recompute does not issue again.
 - ``torch.utils._python_dispatch.TorchDispatchMode``: :data:`TorchDispatchMode`.
+- tracing (``torch.compile``, fake tensors, ``make_fx``): :func:`tracing`, when a checkpoint
+  runs its function as it is (nothing is recomputed in a trace).
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ __all__ = [
     "completed_work",
     "forward_ad_active",
     "is_batched",
+    "fake_mode_active",
+    "is_fake",
     "level_of",
     "live_wrapper",
     "lowered",
     "reparametrized",
     "top_transform",
     "transforms",
+    "tracing",
     "transforms_active",
     "unwrap_dead",
     "unwrap_level",
@@ -55,6 +60,31 @@ _KINDS = {
     _ft.TransformType.Vmap: "vmap",
     _ft.TransformType.Functionalize: "functionalize",
 }
+
+
+def tracing(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether this runs in a trace rather than for real: dynamo compiling, a fake-tensor,
+    proxy or functionalization mode active, or fake tensors given."""
+    if torch.compiler.is_compiling():
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    for key in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL):
+        if torch._C._get_dispatch_mode(key) is not None:
+            return True
+    return any(is_fake(t) for t in tensors)
+
+
+def fake_mode_active() -> bool:
+    """Whether a fake-tensor or proxy (``make_fx``) mode is active."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY))
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (shapes without data, as tracers make)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def transforms_active() -> bool:
@@ -148,11 +178,12 @@ def reparametrized(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
 
 
 def completed_work(tensors: Sequence[torch.Tensor]) -> Any:
-    """A finished ``torch.distributed`` Work whose result is ``tensors``."""
+    """A finished ``torch.distributed`` Work whose result is ``tensors``, as a c10d operator
+    returns it (the TorchScript object)."""
     from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
         _create_work_from_future,
     )
 
     fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
     fut.set_result(list(tensors))
-    return _create_work_from_future(fut)
+    return _create_work_from_future(fut).boxed()

@@ -16,10 +16,14 @@ tangent computations of an outer ``jvp``, autograd's bookkeeping) never take a k
 and a kept value is returned only where the recompute computes the same thing from the same
 sources. Calls with the same key are matched in order. New tensors (``empty``, ``zeros_like``,
 ...) are known by their shape and dtype alone, since ``torch.func`` may make them with another
-factory than the forward did; small constants (``torch.tensor([...])``) by their value.
+factory than the forward did; small constants (``torch.tensor([...])``) by their value; integer
+and boolean tensors (positions, indices, masks) by their shape and dtype alone, since the
+recompute may take them from a cache where the forward computed them (``shard_map_seq``'s
+positions), so calls that differ only in them are told apart by their order.
 
-The recompute must run the same program: at its end every computing operation of the forward
-has been matched and the outputs come from the same entries, or :class:`Replayer` raises (a
+The recompute must run the same program: at its end every operation of the forward that
+computes with floating-point tensors has been matched and the outputs come from the same
+entries, or :class:`Replayer` raises (a
 Python branch on a value that changed between the forward and the backward, an operation on
 a tensor from outside that was modified in place). Under ``vmap`` the batching rules may lay
 the same program out differently in the two runs, so there only the outputs' shapes are
@@ -99,6 +103,24 @@ def op_kind(op: Any) -> str:
     return "compute"
 
 
+@cached("pshard.remat.dropout_arg", maxsize=4096)
+def _dropout_position(op: Any) -> int | None:
+    names = [a.name for a in op._schema.arguments]
+    return names.index("dropout_p") if "dropout_p" in names else None
+
+
+def _kind(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """:func:`op_kind`, except that an attention kernel without dropout draws nothing."""
+    kind = op_kind(op)
+    if kind == "random":
+        i = _dropout_position(op)
+        if i is not None:
+            p = args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
+            if not p:
+                return "compute"
+    return kind
+
+
 @cached("pshard.remat.written_args", maxsize=4096)
 def _write_positions(op: Any) -> tuple[tuple[int, str], ...]:
     """``(position, name)`` of the arguments ``op`` writes in place."""
@@ -162,6 +184,7 @@ class Entry:
     slot: int = -1
     devices: list[torch.device] = dataclasses.field(default_factory=list)
     n_fresh: int = 0
+    floating: bool = True
 
     def unsave(self) -> None:
         self.saved, self.vetoed, self.held, self.named = False, True, None, None
@@ -256,6 +279,15 @@ def _new(t: torch.Tensor) -> Hashable:
     return ("new", t.shape, t.dtype, t.device.type)
 
 
+def _traced(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call runs on fake tensors (a tracer inside the function, such as
+    ``pmap_microbatch``'s batch-dim analysis): not part of the program, passed through."""
+    if compat.fake_mode_active():
+        return True
+    leaves: list[Any] = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)  # type: ignore[arg-type]
+    return any(isinstance(x, torch.Tensor) and compat.is_fake(x) for x in leaves)
+
+
 def _key(
     op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sources: _Sources, extra: Any
 ) -> tuple[Hashable, list[torch.Tensor]]:
@@ -270,6 +302,9 @@ def _key(
     for x in leaves:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
+            if not (x.is_floating_point() or x.is_complex()):
+                parts.append(("int", x.shape, x.dtype))  # known by its place, see the docs
+                continue
             src = sources.get(x)
             parts.append((_outside(x) if src is None else src, x.shape, x.dtype))
         elif x is None or isinstance(x, (*_SIMPLE, _MEMORY_FORMAT)):
@@ -353,8 +388,10 @@ class Recorder(compat.TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _traced(args, kwargs):
+            return func(*args, **kwargs)
         tape = self.tape
-        kind = op_kind(func)
+        kind = _kind(func, args, kwargs)
         if kind == "factory":
             out = func(*args, **kwargs)
             for t in _fresh(out, []):
@@ -374,6 +411,7 @@ class Recorder(compat.TorchDispatchMode):
         j = len(tape.entries)
         fresh: list[torch.Tensor] = []
         entry = Entry(func, kind, _describe_call(func, tensors), *_template(out, fresh, writes))
+        entry.floating = any(t.is_floating_point() or t.is_complex() for t in [*tensors, *fresh])
         tape.entries.append(entry)
         tape.index.setdefault(key, []).append(j)
         for t in tensors:
@@ -542,7 +580,9 @@ class Replayer(compat.TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        kind = op_kind(func)
+        if _traced(args, kwargs):
+            return func(*args, **kwargs)
+        kind = _kind(func, args, kwargs)
         if kind == "factory":
             out = func(*args, **kwargs)
             for t in _fresh(out, []):
@@ -621,7 +661,9 @@ class Replayer(compat.TorchDispatchMode):
             "not checkpoint it"
         )
         for j, entry in enumerate(tape.entries):
-            if self._matched[j] or entry.kind == "view" or entry.op._opname in _BOOKKEEPING:
+            if self._matched[j] or entry.kind == "view" or not entry.floating:
+                continue
+            if entry.op._opname in _BOOKKEEPING:
                 continue
             raise ValueError(
                 f"ps.checkpoint: the recompute of {tape.name} took another path than its "
