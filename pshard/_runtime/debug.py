@@ -35,7 +35,7 @@ import os
 import time
 import zlib
 from dataclasses import dataclass
-from types import FrameType, TracebackType
+from types import FrameType, MappingProxyType, TracebackType
 
 import torch
 import torch.distributed as dist
@@ -175,15 +175,17 @@ def _encode(
     return fp
 
 
-_PARAM_NAMES = {
-    "pytree": ("leaves", "structure"),
-    "all_gather": ("dim", "tiled"),
-    "psum_scatter": ("dim", "tiled"),
-    "all_to_all": ("split_dim", "concat_dim"),
-    "ppermute": ("perm_code",),
-    "broadcast": ("src",),
-    "reduce": ("dst",),
-}
+_PARAM_NAMES = MappingProxyType(
+    {
+        "pytree": ("leaves", "structure"),
+        "all_gather": ("dim", "tiled"),
+        "psum_scatter": ("dim", "tiled"),
+        "all_to_all": ("split_dim", "concat_dim"),
+        "ppermute": ("perm_code",),
+        "broadcast": ("src",),
+        "reduce": ("dst",),
+    }
+)
 
 
 def _describe(fp: list[int]) -> str:

@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from types import FrameType
+from types import FrameType, MappingProxyType
 from typing import Literal
 
 import torch.distributed as dist
@@ -146,11 +146,13 @@ def _caller(frames: list[FrameType], inner: int) -> str:
 
 
 # pshard's names of the wire's functions that differ from them (all_reduce's is its ``op``)
-_PSHARD_NAMES = {
-    "reduce_scatter": "psum_scatter",
-    "gather_parts": "all_gather",
-    "ppermute_start": "ppermute",
-}
+_PSHARD_NAMES = MappingProxyType(
+    {
+        "reduce_scatter": "psum_scatter",
+        "gather_parts": "all_gather",
+        "ppermute_start": "ppermute",
+    }
+)
 
 
 def _group(
