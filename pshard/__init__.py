@@ -11,7 +11,6 @@ from ._collectives.functions import pmin as pmin
 from ._collectives.functions import ppermute as ppermute
 from ._collectives.functions import psum as psum
 from ._collectives.functions import psum_scatter as psum_scatter
-from ._core.annotations import specs_of as specs_of
 from ._core.caches import clear_caches as clear_caches
 from ._core.global_tensor import GlobalTensor as GlobalTensor
 from ._core.layout import explicit_order as explicit_order
@@ -29,11 +28,12 @@ from ._core.placements import Shard as Shard
 from ._core.placements import StridedShard as StridedShard
 from ._core.placements import from_torch_placement as from_torch_placement
 from ._core.placements import to_torch_placement as to_torch_placement
+from ._core.type_specs import specs_of as specs_of
 from ._core.version import version as __version__  # noqa: F401
 from ._microbatch.batch_dim import infer_out_specs as infer_out_specs
+from ._microbatch.merge import merge as merge
 from ._microbatch.pmap import pmap_microbatch as pmap_microbatch
-from ._microbatch.split_merge import merge as merge
-from ._microbatch.split_merge import split as split
+from ._microbatch.split import split as split
 from ._runtime.debug import debug as debug
 from ._runtime.debug import debug_enabled as debug_enabled
 from ._runtime.mesh import current_mesh as current_mesh

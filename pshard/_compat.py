@@ -8,7 +8,7 @@ Imports torch only; every layer of pshard may import it.
 - functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`innermost`,
   :func:`unwrap_dead`, :func:`outside_transforms`;
 - the autograd engine: :func:`graph_task_id`, :func:`queue_backward_callback`;
-- private kernels: :func:`aten_op`;
+- private kernels and types: :func:`aten_op`, :func:`strided_shard_type`;
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
   :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
@@ -46,6 +46,7 @@ __all__ = [
     "queue_backward_callback",
     "register_torch_pytree",
     "resolve_group",
+    "strided_shard_type",
     "transforms_active",
     "unwrap_dead",
 ]
@@ -99,6 +100,13 @@ def aten_op(name: str) -> Any:
     """The ``torch.ops.aten`` op ``name`` (a private kernel entry point), or ``None`` where
     this torch build lacks it."""
     return getattr(torch.ops.aten, name, None)
+
+
+def strided_shard_type() -> type:
+    """DTensor's ``_StridedShard`` placement class (the FSDP2 + TP layout)."""
+    from torch.distributed.tensor import placement_types
+
+    return placement_types._StridedShard
 
 
 def default_store() -> Any:

@@ -37,7 +37,8 @@ import torch
 
 from .._compat import innermost, is_wrapped, register_torch_pytree
 from .caches import WeakCache
-from .layout import explicit_order, index_runs
+from .layout import explicit_order
+from .layout_rules import index_runs
 from .placements import P, Placement, Replicate, Shard, StridedShard
 
 __all__ = [

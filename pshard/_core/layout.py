@@ -41,7 +41,6 @@ __all__ = [
     "local_stride",
     "shard_tensor",
     "unshard_tensor",
-    "index_runs",  # re-exported from layout_rules until the shard_map boundary imports it there
 ]
 
 

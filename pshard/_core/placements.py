@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from .._compat import strided_shard_type
 from .checks import check_int
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ def to_torch_placement(p: Placement) -> TorchPlacement:
     from torch.distributed.tensor import placement_types as pt
 
     if isinstance(p, StridedShard):
-        return pt._StridedShard(p.dim, split_factor=p.split_factor)
+        return strided_shard_type()(p.dim, split_factor=p.split_factor)
     if isinstance(p, Shard):
         return pt.Shard(p.dim)
     if isinstance(p, Replicate):
@@ -258,7 +259,7 @@ def from_torch_placement(p: object) -> Placement:
     from torch.distributed.tensor import placement_types as pt
 
     # _StridedShard subclasses Shard in some torch versions: test it first.
-    if isinstance(p, pt._StridedShard):
+    if isinstance(p, strided_shard_type()):
         return StridedShard(p.dim, split_factor=int(p.split_factor))
     if isinstance(p, pt.Shard):
         return Shard(p.dim)

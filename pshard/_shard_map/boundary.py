@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .._core.caches import cached
 from .._core.checks import WIRE_DTYPES
-from .._core.layout import index_runs
+from .._core.layout_rules import index_runs
 from .._core.placements import Shard, StridedShard
 from .._runtime.wire import Comm, all_gather, all_reduce
 

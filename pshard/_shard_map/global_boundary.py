@@ -27,7 +27,7 @@ from .._core.global_tensor import (
     full_spec,
     mesh_key,
 )
-from .._core.layout import index_runs
+from .._core.layout_rules import index_runs
 from .._core.placements import P, Placement, Replicate, Shard, StridedShard
 from .._core.tree import describe
 from .._runtime.wire import all_gather
