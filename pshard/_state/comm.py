@@ -1,0 +1,153 @@
+"""The ranks' exchanges during a save: object collectives on one process group, or none.
+
+A save exchanges a few Python objects (DCP's plans and write results, each rank's digest of
+the tree): :class:`GroupComm` does it over a process group (the default one for a blocking
+save, a group of its own for an async save, whose exchanges run in a background thread while
+the caller's collectives go on), :class:`LocalComm` for a process without a process group.
+
+:func:`agree` runs one step on every rank and makes a failure anywhere a failure everywhere: a
+rank that raised raises its own exception, the others a :class:`RuntimeError` naming it, so
+no rank waits for a partner that gave up and every rank leaves the save the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["Comm", "GroupComm", "LocalComm", "agree", "default_comm"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Comm(Protocol):
+    """Object exchanges among the ranks of a save; rank 0 coordinates."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        ...
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (``None`` elsewhere)."""
+        ...
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Rank 0's ``objs[r]`` on rank ``r``."""
+        ...
+
+
+class GroupComm:
+    """:class:`Comm` over a process group (``None``: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self._rank = dist.get_rank(group)
+        self._size = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self._size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self._size if self._rank == 0 else None
+        dist.gather_object(obj, out, group=self.group, group_dst=0)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs, group=self.group, group_src=0)
+        return out[0]
+
+
+class LocalComm:
+    """:class:`Comm` of a process alone (no process group)."""
+
+    rank = 0
+    size = 1
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        assert objs is not None
+        return objs[0]
+
+
+def default_comm() -> Comm:
+    """The default process group's :class:`GroupComm`, or :class:`LocalComm` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return GroupComm(None)
+    return LocalComm()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    rank: int
+    text: str
+
+
+def _failure(outcomes: list[Any]) -> _Failed | None:
+    return next((o for o in outcomes if isinstance(o, _Failed)), None)
+
+
+def _raise(comm: Comm, failed: _Failed, mine: BaseException | None, what: str) -> None:
+    if mine is not None:
+        raise mine
+    raise RuntimeError(f"{what}: rank {failed.rank} failed ({failed.text}); nothing was switched")
+
+
+def agree(
+    comm: Comm,
+    what: str,
+    local: Callable[[], T],
+    central: Callable[[list[T]], list[R]],
+) -> R:
+    """One step of a save on every rank: ``local()`` on each, ``central`` on rank 0 over
+    every rank's result (one value back per rank), each rank's value returned.
+
+    Raises:
+        BaseException: the exception ``local`` or ``central`` raised on this rank.
+        RuntimeError: another rank's step failed (its message is named).
+    """
+    mine: BaseException | None = None
+    try:
+        outcome: Any = local()
+    except Exception as e:
+        mine, outcome = e, _Failed(comm.rank, f"{type(e).__name__}: {e}")
+    gathered = comm.gather(outcome)
+    back: list[Any] | None = None
+    if gathered is not None:
+        failed = _failure(gathered)
+        if failed is None:
+            try:
+                back = list(central(gathered))
+            except Exception as e:
+                mine, failed = e, _Failed(comm.rank, f"{type(e).__name__}: {e}")
+        back = back if failed is None else [failed] * comm.size
+    answer = comm.scatter(back)
+    if isinstance(answer, _Failed):
+        _raise(comm, answer, mine, what)
+    out: R = answer
+    return out

@@ -1,0 +1,421 @@
+"""``ps.load`` and ``ps.load_metadata``: a checkpoint read into the layout a tree asks for.
+
+A checkpoint is DCP's files plus, when pshard wrote it, the manifest (``pshard.json``: the
+tree's structure, layouts and plain values). ``load_metadata`` rebuilds the saved tree with a
+:class:`~pshard._state.manifest.SavedTensor` (global shape, dtype, spec) per tensor and the
+plain values themselves. ``load(path, like)`` matches ``like``'s leaves to the checkpoint by
+key (key paths joined by ``"."``, DCP's names), checks every key, global shape and dtype first
+(one ``ValueError`` listing all that differ), then reads each tensor into the layout its
+``like`` leaf asks for, through DCP's load planner with DTensor targets: each rank plans read
+items only for the saved chunks that overlap its own blocks and reads only those. No
+collective: each rank reads on its own (a layout DTensor cannot express, an uneven
+``StridedShard``, is read in its nearest expressible layout and moved with ``ps.reshard``,
+which communicates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from .._core.global_tensor import GlobalMeta, GlobalTensor, block_shape, is_global, mesh_key
+from .._core.tree import describe, keystr, tree_flatten_with_path, tree_unflatten
+from .._runtime.mesh import current_mesh
+from .._shard_map.global_ops import from_dtensor, global_spec, reshard, to_dtensor
+from .manifest import (
+    MANIFEST,
+    KeyPath,
+    LeafRecord,
+    Manifest,
+    SavedObject,
+    SavedTensor,
+    build_tree,
+    dtype_name,
+    fqn,
+    key_path,
+)
+from .reader import CheckpointReader, read_dcp_metadata
+from .rng import RngState
+from .save import is_state_leaf, nearest_spec, target_path
+
+__all__ = ["load", "load_metadata", "read_into"]
+
+
+# --------------------------------------------------------------------------- the checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoint:
+    """A checkpoint directory as read: the directory (symlinks resolved once, so a save that
+    switches meanwhile cannot mix two checkpoints), DCP's metadata, the manifest if pshard
+    wrote it, and a record per key."""
+
+    directory: Path
+    dcp: Metadata
+    manifest: Manifest | None
+    records: dict[str, LeafRecord]
+
+
+def _dcp_records(md: Metadata) -> dict[str, LeafRecord]:
+    out: dict[str, LeafRecord] = {}
+    for key, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            shape = tuple(int(n) for n in entry.size)
+            out[key] = LeafRecord((key,), "tensor", shape, entry.properties.dtype)
+        else:
+            out[key] = LeafRecord((key,), "object")
+    return out
+
+
+def _open(path: Any, fn: str) -> _Checkpoint:
+    target = target_path(path, fn)
+    directory = Path(os.path.realpath(target))
+    if not (directory / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"{fn}: no checkpoint at {str(target)!r} (no DCP .metadata file there)"
+        )
+    md = read_dcp_metadata(directory)
+    manifest = None
+    if (directory / MANIFEST).is_file():
+        text = (directory / MANIFEST).read_text(encoding="utf-8")
+        manifest = Manifest.from_json(text, f"{fn}: {str(target / MANIFEST)!r}")
+    if manifest is None:
+        records = _dcp_records(md)
+    else:
+        records = {r.fqn: r for r in manifest.leaves}
+        _check_manifest(records, md, target, fn)
+    return _Checkpoint(directory, md, manifest, records)
+
+
+def _check_manifest(records: dict[str, LeafRecord], md: Metadata, target: Path, fn: str) -> None:
+    for key, r in records.items():
+        if r.kind not in ("global", "tensor"):
+            continue
+        entry = md.state_dict_metadata.get(key)
+        if (
+            not isinstance(entry, TensorStorageMetadata)
+            or tuple(entry.size) != r.shape
+            or entry.properties.dtype != r.dtype
+        ):
+            raise ValueError(
+                f"{fn}: the checkpoint at {str(target)!r} is inconsistent: its manifest has a "
+                f"tensor {key!r} that DCP's metadata does not hold as described"
+            )
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# --------------------------------------------------------------------------- load_metadata
+
+
+def load_metadata(path: str | os.PathLike[str]) -> Any:
+    """The tree saved at ``path``, with a :class:`SavedTensor` (global shape, dtype, spec) for
+    each tensor and the plain values themselves (ints, floats, strings, bools, ``None``,
+    :class:`RngState` s: each rank gets the state its rank saved).
+
+    Containers come back as dicts (namedtuples, dataclasses and Mappings as dicts of their
+    fields), lists and tuples. A checkpoint DCP wrote without pshard comes back as nested
+    dicts of its entries (``SavedTensor`` with ``spec=None``; a pickled object as
+    :class:`SavedObject`). The tree is a valid ``like`` for :func:`load`.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+
+    Example:
+        >>> import tempfile, torch, pshard as ps
+        >>> from pshard._state.save import save
+        >>> from pshard._state.load import load_metadata
+        >>> mesh = ps.init_mesh({"dp": 1})
+        >>> path = tempfile.mkdtemp() + "/ckpt"
+        >>> save(path, {"w": ps.shard(torch.ones(4, 2), ps.P("dp")), "lr": 0.1})
+        >>> meta = load_metadata(path)
+        >>> meta["lr"], meta["w"].shape, meta["w"].dtype, meta["w"].spec
+        (0.1, (4, 2), torch.float32, P('dp', None))
+    """
+    fn = "load_metadata"
+    ckpt = _open(path, fn)
+    rank, world = _world()
+    if ckpt.manifest is not None:
+        entries = [r.entry(rank, world, fn) for r in ckpt.manifest.leaves]
+        return build_tree(ckpt.manifest.structure, entries)
+    tree: dict[Any, Any] = {}
+    mapping = ckpt.dcp.planner_data if isinstance(ckpt.dcp.planner_data, dict) else {}
+    for key, r in ckpt.records.items():
+        where: tuple[Any, ...] = tuple(mapping.get(key, (key,)))
+        node = tree
+        for part in where[:-1]:
+            node = node.setdefault(part, {})
+        node[where[-1]] = r.entry(rank, world, fn)
+    return tree
+
+
+# --------------------------------------------------------------------------- load
+
+
+_Prepared = tuple[Any, Callable[[], Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Want:
+    """What a leaf of ``like`` asks for: its kind, and for tensors the global shape and dtype
+    and ``prepare``, which allocates the DTensor or tensor DCP reads into and returns it with
+    the function that builds the output from it."""
+
+    kind: str
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+    value_type: type | None = None
+    prepare: Callable[[], _Prepared] | None = None
+
+
+def _device(like: torch.Tensor, meta: GlobalMeta | None) -> torch.device:
+    if like.device.type != "meta":
+        return like.device
+    return torch.device(meta.key.device_type if meta is not None else "cpu")
+
+
+def _global_want(meta: GlobalMeta, dtype: torch.dtype, device: torch.device, out: str) -> _Want:
+    """Read into ``meta``'s layout (through its nearest expressible one if needed)."""
+
+    def prepare() -> _Prepared:
+        read = meta
+        spec = nearest_spec(meta)
+        if spec != meta.spec:
+            read = dataclasses.replace(meta, spec=spec)
+        coord = {n: meta.mesh.get_local_rank(n) for n in meta.key.names}
+        held = GlobalTensor(torch.empty(block_shape(read, coord), dtype=dtype, device=device), read)
+
+        def finish() -> Any:
+            x = held if read is meta else reshard(held, meta.spec)
+            return to_dtensor(x) if out == "dtensor" else x
+
+        return to_dtensor(held), finish
+
+    return _Want("tensor", meta.shape, dtype, prepare=prepare)
+
+
+def _whole_want(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> _Want:
+    def prepare() -> _Prepared:
+        block = torch.empty(shape, dtype=dtype, device=device)
+        return block, lambda: block
+
+    return _Want("tensor", shape, dtype, prepare=prepare)
+
+
+def _want(x: Any, here: str, fn: str) -> _Want:
+    if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(x, DTensor):
+            g = from_dtensor(x)
+            return _global_want(g.meta, g.dtype, _device(g.local, g.meta), "dtensor")
+    if is_global(x):
+        return _global_want(x.meta, x.dtype, _device(x.local, x.meta), "global")
+    if isinstance(x, torch.Tensor):
+        return _whole_want(tuple(x.shape), x.dtype, _device(x, None))
+    if isinstance(x, SavedTensor):
+        if x.spec is None:
+            return _whole_want(x.shape, x.dtype, torch.device("cpu"))
+        try:
+            mesh = current_mesh()
+        except RuntimeError:
+            raise ValueError(
+                f"{fn} {here}: a SavedTensor with spec {x.spec!r} asks for a GlobalTensor on "
+                f"the current mesh, but there is none; ps.init_mesh(...) first, or ask for the "
+                f"whole tensor: dataclasses.replace(entry, spec=None)"
+            ) from None
+        spec = global_spec(x.spec, len(x.shape), mesh, fn, here)
+        meta = GlobalMeta(spec, mesh_key(mesh), x.shape, mesh)
+        return _global_want(meta, x.dtype, torch.device(meta.key.device_type), "global")
+    if isinstance(x, SavedObject):
+        raise ValueError(
+            f"{fn} {here}: {x.fqn!r} is a pickled Python object DCP wrote; pshard never "
+            f"unpickles (it runs arbitrary code); leave it out of like and pass partial=True"
+        )
+    if x is None:
+        return _Want("none")
+    if type(x) in (int, float, str, bool):
+        return _Want("value", value_type=type(x))
+    if isinstance(x, RngState):
+        return _Want("rng")
+    raise TypeError(
+        f"{fn} {here}: {describe(x)}; like holds GlobalTensors, tensors, DTensors, "
+        f"SavedTensors, int, float, str, bool, None and RngStates"
+    )
+
+
+def _say(r: LeafRecord) -> str:
+    if r.kind in ("global", "tensor"):
+        assert r.dtype is not None
+        return f"a {dtype_name(r.dtype)} tensor of shape {r.shape}"
+    if r.kind == "value":
+        return f"{type(r.value).__name__} {r.value!r}"
+    return {"none": "None", "rng": "an RngState", "object": "a pickled object"}[r.kind]
+
+
+def _say_want(w: _Want) -> str:
+    if w.kind == "tensor":
+        assert w.dtype is not None
+        return f"a {dtype_name(w.dtype)} tensor of shape {w.shape}"
+    if w.kind == "value":
+        assert w.value_type is not None
+        return f"a {w.value_type.__name__}"
+    return {"none": "None", "rng": "an RngState"}[w.kind]
+
+
+def _differs(r: LeafRecord, w: _Want) -> bool:
+    if w.kind == "tensor":
+        return r.kind not in ("global", "tensor") or r.shape != w.shape or r.dtype != w.dtype
+    if w.kind == "value":
+        return r.kind != "value" or type(r.value) is not w.value_type
+    return r.kind != w.kind
+
+
+def _check(
+    ckpt: _Checkpoint,
+    keys: list[tuple[str, KeyPath, str]],
+    wants: list[_Want],
+    partial: bool,
+    target: str,
+    fn: str,
+) -> None:
+    missing, different = [], []
+    for (key, _, here), w in zip(keys, wants, strict=True):
+        r = ckpt.records.get(key)
+        if r is None:
+            missing.append(f"{here} ({key!r})")
+        elif _differs(r, w):
+            different.append(
+                f"{here} ({key!r}): the checkpoint holds {_say(r)}, like {_say_want(w)}"
+            )
+    asked = {key for key, _, _ in keys}
+    extra = [] if partial else [repr(k) for k in ckpt.records if k not in asked]
+    if not (missing or extra or different):
+        return
+    lines = [
+        f"{fn}: like does not match the checkpoint at {target!r} (keys: key paths joined by '.')"
+    ]
+    if missing:
+        lines.append("missing from the checkpoint: " + ", ".join(missing))
+    if extra:
+        lines.append(
+            "in the checkpoint but not in like: "
+            + ", ".join(extra)
+            + " (pass partial=True to leave them unread)"
+        )
+    if different:
+        lines.append("different:\n    " + "\n    ".join(different))
+    raise ValueError("\n  ".join(lines))
+
+
+def read_into(state_dict: dict[str, Any], directory: Path, md: Metadata) -> None:
+    """DCP's load protocol on this rank alone: plan read items for the chunks of each target
+    (DTensor or tensor, fqn -> target) that the checkpoint's saved chunks overlap, and read
+    them into the targets in place."""
+    reader = CheckpointReader(directory)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, md, is_coordinator=True)
+    reader.set_up_storage_reader(md, True, rank=0, use_collectives=True)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+    reader.read_data(planner.finish_plan(plan), planner).wait()
+
+
+def load(path: str | os.PathLike[str], like: Any, *, partial: bool = False) -> Any:
+    """Read the checkpoint at ``path`` into the layout of ``like``.
+
+    ``like`` is only read: its structure is the result's, and each leaf says what to read:
+
+    - a :class:`~pshard.GlobalTensor`: a ``GlobalTensor`` with its spec and mesh (any layout:
+      saved on 4 ranks as ``P("dp")``, read on 2 as ``P(None, "tp")``); a DTensor: a DTensor
+      with its placements; a tensor: the whole tensor, on every rank. Blocks go to the device
+      of ``like``'s (the mesh's device when that is ``meta``: a ``like`` of meta blocks
+      allocates nothing twice);
+    - a :class:`SavedTensor` (what :func:`load_metadata` returns): the whole tensor (on CPU)
+      when its ``spec`` is ``None``, else a ``GlobalTensor`` with that spec on the current mesh;
+    - an int, float, str or bool, ``None``, an :class:`RngState`: the saved value (each rank
+      its own RNG state; with another world size, the state every rank saved).
+
+    Leaves match the checkpoint's entries by key (key paths joined by ``"."``, DCP's names), so
+    a checkpoint DCP wrote (an FSDP2 ``model.state_dict()``) reads into ``GlobalTensor`` s too.
+    Each rank reads only the saved chunks that overlap its blocks; no collective, except
+    ``ps.reshard`` for a layout DTensor cannot express (uneven ``StridedShard``), read in its
+    nearest expressible layout and then moved.
+
+    Args:
+        path: a checkpoint directory.
+        like: the tree to read into.
+        partial: read only the keys of ``like`` (a checkpoint may hold more).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        ValueError: keys of ``like`` missing from the checkpoint, keys of the checkpoint
+            missing from ``like`` (unless ``partial``), or leaves whose global shape, dtype or
+            kind differ; one error lists every such key path.
+        TypeError: a leaf of ``like`` that names nothing to read.
+
+    Example:
+        >>> import tempfile, torch, pshard as ps
+        >>> from pshard._state.save import save
+        >>> from pshard._state.load import load, load_metadata
+        >>> mesh = ps.init_mesh({"dp": 1})
+        >>> path = tempfile.mkdtemp() + "/ckpt"
+        >>> save(path, {"w": ps.shard(torch.arange(4.0), ps.P("dp")), "step": 7})
+        >>> load(path, {"w": torch.empty(4), "step": 0})
+        {'w': tensor([0., 1., 2., 3.]), 'step': 7}
+        >>> load(path, load_metadata(path))["w"].spec
+        P('dp')
+    """
+    fn = "load"
+    if not isinstance(partial, bool):
+        raise TypeError(f"{fn}: partial must be a bool, got {describe(partial)}")
+    ckpt = _open(path, fn)
+    accessors, leaves, treedef = tree_flatten_with_path(
+        like, is_leaf=is_state_leaf, none_is_leaf=True
+    )
+    keys: list[tuple[str, KeyPath, str]] = []
+    seen: dict[str, str] = {}
+    for accessor in accessors:
+        kp = key_path(accessor, fn)
+        here = keystr(accessor, "like")
+        key = fqn(kp)
+        if key in seen:
+            raise ValueError(
+                f"{fn}: {seen[key]} and {here} have the same key {key!r} (DCP joins keys "
+                f"with '.'); rename one"
+            )
+        seen[key] = here
+        keys.append((key, kp, here))
+    wants = [_want(x, here, fn) for x, (_, _, here) in zip(leaves, keys, strict=True)]
+    _check(ckpt, keys, wants, partial, str(target_path(path, fn)), fn)
+    prepared = {key: w.prepare() for (key, _, _), w in zip(keys, wants, strict=True) if w.prepare}
+    if prepared:
+        read_into({key: p[0] for key, p in prepared.items()}, ckpt.directory, ckpt.dcp)
+    rank, world = _world()
+    out = []
+    for (key, _, _), w in zip(keys, wants, strict=True):
+        r = ckpt.records[key]
+        if key in prepared:
+            out.append(prepared[key][1]())
+        elif w.kind == "value":
+            out.append(r.value)
+        elif w.kind == "rng":
+            out.append(r.rng_for(rank, world, fn))
+        else:
+            out.append(None)
+    return tree_unflatten(treedef, out)

@@ -1,0 +1,101 @@
+"""DCP's save protocol, run by pshard so it controls where the ranks meet and what is read.
+
+The steps are DCP's own, through its public planner and storage-writer interfaces
+(``DefaultSavePlanner``, ``FileSystemWriter``): each rank plans its writes, rank 0 makes the
+global plan (replicated chunks written once) and DCP's metadata, each rank writes its files,
+rank 0 writes ``.metadata`` and then commits. Two things differ from ``dcp.save``:
+
+- the planner reads each entry's data from a dict of tensors given beside the state dict (the
+  blocks themselves for a blocking save, copies taken at the call for an async one), while it
+  plans from the state dict (DTensors and tensors, possibly on the meta device);
+- the exchanges go through a :class:`~pshard._state.comm.Comm` (the default group, a group of
+  the save's own in a background thread, or none), each step through
+  :func:`~pshard._state.comm.agree`, and rank 0's ``commit`` (the manifest and the atomic
+  switch) runs inside the last step, so every rank learns whether the checkpoint is in place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .comm import Comm, agree
+
+__all__ = ["write_checkpoint"]
+
+
+class _Writer(FileSystemWriter):
+    """DCP's writer into the aside directory, naming the final path as the checkpoint id."""
+
+    def __init__(self, aside: Path, final: Path) -> None:
+        super().__init__(aside, single_file_per_rank=True, sync_files=True, overwrite=False)
+        self._final = final
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=os.fspath(self._final), save_id=self.save_id)
+
+
+class _Planner(DefaultSavePlanner):
+    """DCP's default planner reading each entry's data from ``data`` (fqn -> tensor)."""
+
+    def __init__(self, data: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._data = data
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self._data[index.fqn]
+
+
+def write_checkpoint(
+    state_dict: dict[str, Any],
+    data: Mapping[str, torch.Tensor],
+    aside: Path,
+    final: Path,
+    comm: Comm,
+    commit: Callable[[], None],
+) -> None:
+    """Write ``state_dict`` (fqn -> DTensor or tensor, for planning) with the data of ``data``
+    (fqn -> this rank's block or whole tensor) as a DCP checkpoint in ``aside``; then rank 0
+    runs ``commit``. Every rank returns, or every rank raises.
+
+    Raises:
+        BaseException: this rank's own failure.
+        RuntimeError: another rank failed.
+    """
+    writer = _Writer(aside, final)
+    planner = _Planner(data)
+    coordinator = comm.rank == 0
+    metadata: list[Metadata] = []
+
+    def local_plan() -> SavePlan:
+        planner.set_up_planner(
+            state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator
+        )
+        writer.set_up_storage_writer(coordinator, rank=comm.rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_plan(plans: list[SavePlan]) -> list[SavePlan]:
+        plans, md = planner.create_global_plan(plans)
+        metadata.append(md)
+        return writer.prepare_global_plan(plans)
+
+    plan: SavePlan = agree(comm, "save", local_plan, global_plan)
+
+    def write_data() -> list[WriteResult]:
+        results: list[WriteResult] = writer.write_data(planner.finish_plan(plan), planner).wait()
+        return results
+
+    def finish(results: list[list[WriteResult]]) -> list[None]:
+        writer.finish(metadata[0], results)
+        commit()
+        return [None] * comm.size
+
+    agree(comm, "save", write_data, finish)
