@@ -126,7 +126,8 @@ def _world() -> tuple[int, int]:
 def load_metadata(path: str | os.PathLike[str]) -> Any:
     """The tree saved at ``path``, with a :class:`SavedTensor` (global shape, dtype, spec) for
     each tensor and the plain values themselves (ints, floats, strings, bools, ``None``,
-    :class:`RngState` s: each rank gets the state its rank saved).
+    :class:`RngState` s: the state :func:`load` gives this rank, or rank 0's where the ranks
+    saved different states and the world size changed, which ``load`` refuses).
 
     Containers come back as dicts (namedtuples, dataclasses and Mappings as dicts of their
     fields), lists and tuples. A checkpoint DCP wrote without pshard comes back as nested

@@ -165,7 +165,10 @@ class LeafRecord:
             return None
         if self.kind == "object":
             return SavedObject(self.fqn)
-        return self.rng_for(rank, world, source)
+        try:
+            return self.rng_for(rank, world, source)
+        except ValueError:  # load refuses it; the metadata shows rank 0's
+            return self.rng[0]
 
     def rng_for(self, rank: int, world: int, source: str) -> RngState:
         """The RNG state rank ``rank`` of a world of ``world`` ranks takes: the one it saved on
