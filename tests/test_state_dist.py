@@ -123,6 +123,8 @@ def _save4_worker(path: str, async_path: str) -> int:
     for k in SPECS4:
         state[k].local.add_(1.0)
     state["whole"].add_(1.0)
+    for _ in range(3):  # the caller's collectives go on while the save's thread exchanges
+        assert torch.equal(ps.gather(state["w"]), wholes["w"] + 1)
     assert future is not None and future.result(timeout=60) is None
     later = load(
         async_path, {k: torch.empty(x.shape, dtype=f64) for k, x in wholes.items()}, partial=True
@@ -227,6 +229,44 @@ def test_save_on_4_ranks_load_on_4_2_and_1(pool: Any, tmp_path: Path) -> None:
         "__3_0.distcp",
         "pshard.json",
     ]
+
+
+def _mismatch_worker(path: str) -> list[str]:
+    ps.init_mesh({"dp": 2})
+    rank = dist.get_rank()
+    out = []
+    for debug, tree in (
+        (False, {"w": torch.ones(2 + rank), "step": rank}),
+        (True, {"w": torch.full((2,), float(rank)), "step": 1}),  # values: checked in debug mode
+    ):
+        with ps.debug(debug), pytest.raises(ValueError) as info:
+            save(path, tree)
+        out.append(str(info.value))
+    save(path, {"w": torch.full((2,), float(rank)), "step": 1})  # not checked: rank 0's is kept
+    assert not dist.get_rank() or torch.equal(
+        load(path, {"w": torch.ones(2), "step": 0})["w"], torch.zeros(2)
+    )
+    return out
+
+
+def test_ranks_passing_different_trees(pool: Any, tmp_path: Path) -> None:
+    messages = pool.run(2, _mismatch_worker, str(tmp_path / "ckpt"))
+    assert messages[0] == messages[1]
+    head = (
+        "save: the ranks pass different trees; every rank saves the same tree (its own blocks; "
+        "whole tensors and plain values, written once, equal on every rank):\n  "
+    )
+    assert messages[0][0] == head + (
+        "tree['step']: rank 0 has the int 0, rank 1 has the int 1\n  "
+        "tree['w']: rank 0 has a tensor (2,) float32, rank 1 has a tensor (3,) float32"
+    )
+    assert re.fullmatch(
+        re.escape(head + "tree['w']: rank 0 has a tensor (2,) float32 (sha256 ")
+        + "[0-9a-f]{12}"
+        + re.escape("), rank 1 has a tensor (2,) float32 (sha256 ")
+        + "[0-9a-f]{12}\\)",
+        messages[0][1],
+    )
 
 
 # --------------------------------------------------------------------------- resume

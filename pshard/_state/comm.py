@@ -1,13 +1,14 @@
 """The ranks' exchanges during a save: object collectives on one process group, or none.
 
-A save exchanges a few Python objects (DCP's plans and write results, each rank's digest of
+A save exchanges a few Python objects (DCP's plans and write results, each rank's account of
 the tree): :class:`GroupComm` does it over a process group (the default one for a blocking
 save, a group of its own for an async save, whose exchanges run in a background thread while
 the caller's collectives go on), :class:`LocalComm` for a process without a process group.
 
 :func:`agree` runs one step on every rank and makes a failure anywhere a failure everywhere: a
 rank that raised raises its own exception, the others a :class:`RuntimeError` naming it, so
-no rank waits for a partner that gave up and every rank leaves the save the same way.
+no rank waits for a partner that gave up and every rank leaves the save the same way (a
+``ValueError`` or ``TypeError``, a mistake in the call, is raised on every rank as it is).
 """
 
 from __future__ import annotations
@@ -105,17 +106,28 @@ def default_comm() -> Comm:
 @dataclasses.dataclass(frozen=True)
 class _Failed:
     rank: int
+    user_error: bool  # a ValueError or TypeError: the same mistake on every rank
+    kind: str
     text: str
+
+
+def _failed(rank: int, e: Exception) -> _Failed:
+    user = type(e) in (ValueError, TypeError)
+    return _Failed(rank, user, type(e).__name__, str(e))
 
 
 def _failure(outcomes: list[Any]) -> _Failed | None:
     return next((o for o in outcomes if isinstance(o, _Failed)), None)
 
 
-def _raise(comm: Comm, failed: _Failed, mine: BaseException | None, what: str) -> None:
+def _raise(failed: _Failed, mine: BaseException | None, what: str) -> None:
     if mine is not None:
         raise mine
-    raise RuntimeError(f"{what}: rank {failed.rank} failed ({failed.text}); nothing was switched")
+    if failed.user_error:
+        raise (ValueError if failed.kind == "ValueError" else TypeError)(failed.text)
+    raise RuntimeError(
+        f"{what}: rank {failed.rank} failed ({failed.kind}: {failed.text}); nothing was switched"
+    )
 
 
 def agree(
@@ -129,13 +141,15 @@ def agree(
 
     Raises:
         BaseException: the exception ``local`` or ``central`` raised on this rank.
-        RuntimeError: another rank's step failed (its message is named).
+        ValueError, TypeError: another rank's step raised it (a mistake in the call: every
+            rank raises it, with its message).
+        RuntimeError: another rank's step failed otherwise (its message is named).
     """
     mine: BaseException | None = None
     try:
         outcome: Any = local()
     except Exception as e:
-        mine, outcome = e, _Failed(comm.rank, f"{type(e).__name__}: {e}")
+        mine, outcome = e, _failed(comm.rank, e)
     gathered = comm.gather(outcome)
     back: list[Any] | None = None
     if gathered is not None:
@@ -144,10 +158,10 @@ def agree(
             try:
                 back = list(central(gathered))
             except Exception as e:
-                mine, failed = e, _Failed(comm.rank, f"{type(e).__name__}: {e}")
+                mine, failed = e, _failed(comm.rank, e)
         back = back if failed is None else [failed] * comm.size
     answer = comm.scatter(back)
     if isinstance(answer, _Failed):
-        _raise(comm, answer, mine, what)
+        _raise(answer, mine, what)
     out: R = answer
     return out

@@ -46,8 +46,8 @@ from .manifest import (
     key_path,
 )
 from .reader import CheckpointReader, read_dcp_metadata
+from .records import is_state_leaf, nearest_spec, target_path
 from .rng import RngState
-from .save import is_state_leaf, nearest_spec, target_path
 
 __all__ = ["load", "load_metadata", "read_into"]
 

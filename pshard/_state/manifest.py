@@ -200,14 +200,13 @@ class Manifest:
     leaves: tuple[LeafRecord, ...]
 
     def to_json(self) -> str:
-        data = {
-            "format": FORMAT,
-            "version": VERSION,
-            "world_size": self.world_size,
-            "tree": self.structure,
-            "leaves": [leaf.to_json() for leaf in self.leaves],
-        }
-        return json.dumps(data, indent=1, allow_nan=False)
+        """The manifest as JSON text: one line per field, one per leaf."""
+        head = {"format": FORMAT, "version": VERSION, "world_size": self.world_size}
+        lines = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in head.items()]
+        lines.append(f'"tree": {json.dumps(self.structure, allow_nan=False)}')
+        leaves = ",\n  ".join(json.dumps(leaf.to_json(), allow_nan=False) for leaf in self.leaves)
+        lines.append(f'"leaves": [\n  {leaves}\n ]' if self.leaves else '"leaves": []')
+        return "{\n " + ",\n ".join(lines) + "\n}\n"
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Manifest:

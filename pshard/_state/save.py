@@ -17,7 +17,6 @@ exchanges go through a gloo process group made for that save.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import threading
@@ -29,210 +28,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import is_wrapped
-from .._core.global_tensor import (
-    GlobalMeta,
-    GlobalTensor,
-    dtensor_placements,
-    is_global,
-)
-from .._core.placements import P
-from .._core.tree import describe, keystr, tree_flatten_with_path
+from .._core.global_tensor import GlobalTensor
+from .._core.tree import describe, tree_flatten_with_path
 from .._runtime.debug import debug_enabled
-from .._shard_map.global_ops import from_dtensor, reshard, to_dtensor
+from .._shard_map.global_ops import reshard, to_dtensor
 from .atomic import SaveLock, aside_path, check_target, new_token, remove_stale, switch
 from .comm import Comm, GroupComm, LocalComm, agree, default_comm
-from .manifest import (
-    MANIFEST,
-    KeyPath,
-    LeafRecord,
-    Manifest,
-    SavedObject,
-    SavedTensor,
-    encode_structure,
-    key_path,
-    spec_from_json,
-    where,
+from .manifest import MANIFEST, LeafRecord, Manifest, encode_structure, key_path
+from .records import (
+    Proposal,
+    check_unique,
+    compare,
+    expressible,
+    is_state_leaf,
+    leaf_text,
+    nearest_spec,
+    record,
+    target_path,
 )
-from .rng import RngState
 from .write import write_checkpoint
 
-__all__ = ["is_state_leaf", "nearest_spec", "save", "target_path"]
-
-_PLAIN = (int, float, str, bool)
-
-
-def is_state_leaf(x: Any) -> bool:
-    """Leaves of a checkpoint tree that pshard's walks would otherwise open (dataclasses)."""
-    return isinstance(x, (RngState, SavedTensor, SavedObject))
-
-
-def target_path(path: Any, fn: str) -> Path:
-    """``path`` as an absolute :class:`~pathlib.Path` (symlinks not resolved).
-
-    Raises:
-        TypeError: not a str or ``os.PathLike``.
-        ValueError: a path with no name (``/``).
-    """
-    try:
-        text = os.fspath(path)
-    except TypeError:
-        raise TypeError(f"{fn}: path must be a str or os.PathLike, got {describe(path)}") from None
-    out = Path(os.path.abspath(os.fsdecode(text)))
-    if out.name in ("", ".", ".."):
-        raise ValueError(f"{fn}: path {str(path)!r} names no directory")
-    return out
-
-
-def nearest_spec(meta: GlobalMeta) -> P:
-    """The layout closest to ``meta.spec`` that DTensor can write: each dim's axes in mesh
-    order (the same axes split the dim, so the blocks are the same sizes, held elsewhere)."""
-    names = meta.key.names
-    entries: list[str | tuple[str, ...] | None] = []
-    for entry in meta.spec:
-        if entry is None or isinstance(entry, str):
-            entries.append(entry)
-        else:
-            entries.append(tuple(sorted(entry, key=names.index)))
-    return P(*entries)
-
-
-def _expressible(meta: GlobalMeta) -> bool:
-    try:
-        dtensor_placements(meta)
-    except ValueError:
-        return False
-    return True
-
-
-# --------------------------------------------------------------------------- the leaves
-
-
-def _record(path: KeyPath, x: Any, accessor: Any, fn: str) -> tuple[LeafRecord, Any]:
-    """This leaf's record and the value to save (a GlobalTensor, tensor, value or state)."""
-    here = keystr(accessor, "tree")
-    if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(x, DTensor):
-            try:
-                x = from_dtensor(x)
-            except ValueError as e:
-                raise ValueError(f"{fn} {here}: {e}") from None
-    if is_global(x):
-        local = x.local
-        if not isinstance(local, torch.Tensor) or is_wrapped(local):
-            raise TypeError(
-                f"{fn} {here}: the GlobalTensor's block is {describe(local)}; save outside "
-                f"torch.func transforms, with tensor blocks"
-            )
-        meta: GlobalMeta = x.meta
-        if dist.is_initialized() and dist.get_rank() not in meta.key.ranks:
-            raise ValueError(
-                f"{fn} {here}: this rank ({dist.get_rank()}) is not in the GlobalTensor's mesh "
-                f"{meta.key.text()}; every rank that saves must hold a block of it"
-            )
-        mesh = tuple(zip(meta.key.names, meta.key.sizes, strict=True))
-        return LeafRecord(path, "global", meta.shape, local.dtype, meta.spec, mesh), x
-    if isinstance(x, torch.Tensor):
-        if is_wrapped(x):
-            raise TypeError(f"{fn} {here}: a tensor of a torch.func transform; save outside it")
-        return LeafRecord(path, "tensor", tuple(x.shape), x.dtype), x
-    if x is None:
-        return LeafRecord(path, "none"), None
-    if type(x) in _PLAIN:
-        return LeafRecord(path, "value", value=x), x
-    if isinstance(x, RngState):
-        return LeafRecord(path, "rng", rng=(x,)), x
-    base = next((t for t in (bool, int, float, str) if isinstance(x, t)), None)
-    hint = (
-        f"convert it with {base.__name__}(x)"
-        if base is not None
-        else "convert it to those (a dict of them for an object's state)"
-    )
-    raise TypeError(
-        f"{fn} {here}: {describe(x)}; a checkpoint holds GlobalTensors, tensors, int, float, "
-        f"str, bool, None and ps.RngState (plain data, never a pickle): {hint}"
-    )
-
-
-def _duplicates(records: list[LeafRecord], fn: str) -> None:
-    seen: dict[str, KeyPath] = {}
-    for r in records:
-        other = seen.setdefault(r.fqn, r.path)
-        if other != r.path:
-            raise ValueError(
-                f"{fn}: {where(other)} and {where(r.path)} have the same DCP key {r.fqn!r} "
-                f"(DCP joins keys with '.'); rename one"
-            )
-
-
-def _digest(t: torch.Tensor) -> str:
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Proposal:
-    """What a rank proposes to save: rank 0 compares every rank's with its own."""
-
-    path: str
-    structure: str
-    leaves: tuple[str, ...]  # each leaf's record as JSON, without RNG states
-    rng: tuple[RngState, ...]  # this rank's, one per RNG leaf
-
-
-def _leaf_text(record: LeafRecord, x: Any, debug: bool) -> str:
-    data = dataclasses.replace(record, rng=()).to_json()
-    if debug and record.kind == "tensor":
-        data["sha256"] = _digest(x)
-    return json.dumps(data, sort_keys=True, allow_nan=False)
-
-
-def _say(text: str) -> str:
-    data = json.loads(text)
-    kind = data["kind"]
-    if kind == "global":
-        spec = spec_from_json(data["spec"])
-        return f"a GlobalTensor {tuple(data['shape'])} {data['dtype']} {spec!r}"
-    if kind == "tensor":
-        digest = f" (sha256 {data['sha256'][:12]})" if "sha256" in data else ""
-        return f"a tensor {tuple(data['shape'])} {data['dtype']}{digest}"
-    if kind == "value":
-        ((name, value),) = data["value"].items()
-        return f"the {name} {value!r}"
-    return "an RngState" if kind == "rng" else "None"
-
-
-def _compare(proposals: list[_Proposal], fn: str) -> None:
-    mine = proposals[0]
-    for rank, other in enumerate(proposals):
-        if other == dataclasses.replace(mine, rng=other.rng):
-            continue
-        if other.path != mine.path:
-            raise ValueError(
-                f"{fn}: rank 0 saves to {mine.path!r} and rank {rank} to {other.path!r}; every "
-                f"rank passes the same path"
-            )
-        keys0 = {tuple(json.loads(t)["path"]): t for t in mine.leaves}
-        keys1 = {tuple(json.loads(t)["path"]): t for t in other.leaves}
-        lines = []
-        for k in sorted(keys0.keys() | keys1.keys(), key=repr):
-            a, b = keys0.get(k), keys1.get(k)
-            if a == b:
-                continue
-            name = where(k)
-            lines.append(
-                f"{name}: rank 0 has {_say(a) if a else 'nothing'}, rank {rank} has "
-                f"{_say(b) if b else 'nothing'}"
-            )
-        if not lines:
-            lines.append("the trees have different structures (containers)")
-        raise ValueError(
-            f"{fn}: the ranks pass different trees; every rank saves the same tree (its own "
-            f"blocks; whole tensors and plain values, written once, equal on every rank):\n  "
-            + "\n  ".join(lines)
-        )
+__all__ = ["save"]
 
 
 # --------------------------------------------------------------------------- save
@@ -343,19 +159,19 @@ def _prepare(
     values: list[Any] = []
     manifest: list[Manifest] = []
 
-    def propose() -> _Proposal:
+    def propose() -> Proposal:
         for accessor, x in zip(accessors, leaves, strict=True):
-            record, value = _record(key_path(accessor, fn), x, accessor, fn)
-            records.append(record)
+            rec, value = record(key_path(accessor, fn), x, accessor, fn)
+            records.append(rec)
             values.append(value)
-        _duplicates(records, fn)
+        check_unique(records, fn)
         structure = json.dumps(encode_structure(treedef, fn))
-        texts = tuple(_leaf_text(r, v, debug) for r, v in zip(records, values, strict=True))
+        texts = tuple(leaf_text(r, v, debug) for r, v in zip(records, values, strict=True))
         rng = tuple(v for r, v in zip(records, values, strict=True) if r.kind == "rng")
-        return _Proposal(str(target), structure, texts, rng)
+        return Proposal(str(target), structure, texts, rng)
 
-    def decide(proposals: list[_Proposal]) -> list[str]:
-        _compare(proposals, fn)
+    def decide(proposals: list[Proposal]) -> list[str]:
+        compare(proposals, fn)
         check_target(target, fn)
         remove_stale(target)
         states = [iter(p.rng) for p in proposals]
@@ -372,21 +188,21 @@ def _prepare(
     plan: dict[str, Any] = {}
     data: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for record, value in zip(records, values, strict=True):
-            if record.kind == "global":
+        for rec, value in zip(records, values, strict=True):
+            if rec.kind == "global":
                 x: GlobalTensor = value
-                if not _expressible(x.meta):
+                if not expressible(x.meta):
                     x = reshard(x, nearest_spec(x.meta))
                 block = x.local.detach()
-                plan[record.fqn] = to_dtensor(GlobalTensor(block.to("meta"), x.meta))
-            elif record.kind == "tensor":
+                plan[rec.fqn] = to_dtensor(GlobalTensor(block.to("meta"), x.meta))
+            elif rec.kind == "tensor":
                 block = value.detach()
-                plan[record.fqn] = block.to("meta")
+                plan[rec.fqn] = block.to("meta")
             else:
                 continue
             if async_save:
                 block = block.to("cpu", memory_format=torch.contiguous_format, copy=True)
-            data[record.fqn] = block
+            data[rec.fqn] = block
 
     def commit() -> None:
         text = manifest[0].to_json()

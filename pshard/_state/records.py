@@ -1,0 +1,228 @@
+"""The leaves of a tree to save, and the ranks' agreement on them.
+
+:func:`record` turns one leaf into its :class:`~pshard._state.manifest.LeafRecord` (a
+``GlobalTensor``'s layout, a tensor's shape and dtype, a plain value, an RNG state) or refuses
+it with the key path named; a DTensor is read as the ``GlobalTensor`` of ``ps.from_dtensor``.
+Before anything is written each rank proposes what it saves (:class:`Proposal`: the path, the
+structure, every leaf's record as JSON; whole tensors' digests in debug mode) and rank 0
+compares them (:func:`compare`): ranks that pass different trees would otherwise write a
+checkpoint of one rank's plain values and another's shapes, or hang.
+
+Also the helpers ``save`` and ``load`` share: :func:`target_path`, :func:`is_state_leaf`,
+:func:`nearest_spec` (the layout DTensor can write nearest to a spec) and :func:`expressible`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._compat import is_wrapped
+from .._core.global_tensor import GlobalMeta, dtensor_placements, is_global
+from .._core.placements import P
+from .._core.tree import describe, keystr
+from .._shard_map.global_ops import from_dtensor
+from .manifest import (
+    KeyPath,
+    LeafRecord,
+    SavedObject,
+    SavedTensor,
+    spec_from_json,
+    where,
+)
+from .rng import RngState
+
+__all__ = [
+    "Proposal",
+    "check_unique",
+    "compare",
+    "expressible",
+    "is_state_leaf",
+    "leaf_text",
+    "nearest_spec",
+    "record",
+    "target_path",
+]
+
+_PLAIN = (int, float, str, bool)
+
+
+def is_state_leaf(x: Any) -> bool:
+    """Leaves of a checkpoint tree that pshard's walks would otherwise open (dataclasses)."""
+    return isinstance(x, (RngState, SavedTensor, SavedObject))
+
+
+def target_path(path: Any, fn: str) -> Path:
+    """``path`` as an absolute :class:`~pathlib.Path` (symlinks not resolved).
+
+    Raises:
+        TypeError: not a str or ``os.PathLike``.
+        ValueError: a path with no name (``/``).
+    """
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise TypeError(f"{fn}: path must be a str or os.PathLike, got {describe(path)}") from None
+    out = Path(os.path.abspath(os.fsdecode(text)))
+    if out.name in ("", ".", ".."):
+        raise ValueError(f"{fn}: path {str(path)!r} names no directory")
+    return out
+
+
+def nearest_spec(meta: GlobalMeta) -> P:
+    """The layout closest to ``meta.spec`` that DTensor can write: each dim's axes in mesh
+    order (the same axes split the dim, so the blocks are the same sizes, held elsewhere)."""
+    names = meta.key.names
+    entries: list[str | tuple[str, ...] | None] = []
+    for entry in meta.spec:
+        if entry is None or isinstance(entry, str):
+            entries.append(entry)
+        else:
+            entries.append(tuple(sorted(entry, key=names.index)))
+    return P(*entries)
+
+
+def expressible(meta: GlobalMeta) -> bool:
+    """Whether DTensor's placements give every rank the block ``meta``'s spec gives it."""
+    try:
+        dtensor_placements(meta)
+    except ValueError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- the leaves
+
+
+def record(path: KeyPath, x: Any, accessor: Any, fn: str) -> tuple[LeafRecord, Any]:
+    """This leaf's record and the value to save (a GlobalTensor, tensor, value or state)."""
+    here = keystr(accessor, "tree")
+    if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(x, DTensor):
+            try:
+                x = from_dtensor(x)
+            except ValueError as e:
+                raise ValueError(f"{fn} {here}: {e}") from None
+    if is_global(x):
+        local = x.local
+        if not isinstance(local, torch.Tensor) or is_wrapped(local):
+            raise TypeError(
+                f"{fn} {here}: the GlobalTensor's block is {describe(local)}; save outside "
+                f"torch.func transforms, with tensor blocks"
+            )
+        meta: GlobalMeta = x.meta
+        if dist.is_initialized() and dist.get_rank() not in meta.key.ranks:
+            raise ValueError(
+                f"{fn} {here}: this rank ({dist.get_rank()}) is not in the GlobalTensor's mesh "
+                f"{meta.key.text()}; every rank that saves must hold a block of it"
+            )
+        mesh = tuple(zip(meta.key.names, meta.key.sizes, strict=True))
+        return LeafRecord(path, "global", meta.shape, local.dtype, meta.spec, mesh), x
+    if isinstance(x, torch.Tensor):
+        if is_wrapped(x):
+            raise TypeError(f"{fn} {here}: a tensor of a torch.func transform; save outside it")
+        return LeafRecord(path, "tensor", tuple(x.shape), x.dtype), x
+    if x is None:
+        return LeafRecord(path, "none"), None
+    if type(x) in _PLAIN:
+        return LeafRecord(path, "value", value=x), x
+    if isinstance(x, RngState):
+        return LeafRecord(path, "rng", rng=(x,)), x
+    base = next((t for t in (bool, int, float, str) if isinstance(x, t)), None)
+    hint = (
+        f"convert it with {base.__name__}(x)"
+        if base is not None
+        else "convert it to those (a dict of them for an object's state)"
+    )
+    raise TypeError(
+        f"{fn} {here}: {describe(x)}; a checkpoint holds GlobalTensors, tensors, int, float, "
+        f"str, bool, None and ps.RngState (plain data, never a pickle): {hint}"
+    )
+
+
+def check_unique(records: list[LeafRecord], fn: str) -> None:
+    seen: dict[str, KeyPath] = {}
+    for r in records:
+        other = seen.setdefault(r.fqn, r.path)
+        if other != r.path:
+            raise ValueError(
+                f"{fn}: {where(other)} and {where(r.path)} have the same DCP key {r.fqn!r} "
+                f"(DCP joins keys with '.'); rename one"
+            )
+
+
+def _digest(t: torch.Tensor) -> str:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """What a rank proposes to save: rank 0 compares every rank's with its own."""
+
+    path: str
+    structure: str
+    leaves: tuple[str, ...]  # each leaf's record as JSON, without RNG states
+    rng: tuple[RngState, ...]  # this rank's, one per RNG leaf
+
+
+def leaf_text(record: LeafRecord, x: Any, debug: bool) -> str:
+    data = dataclasses.replace(record, rng=()).to_json()
+    if debug and record.kind == "tensor":
+        data["sha256"] = _digest(x)
+    return json.dumps(data, sort_keys=True, allow_nan=False)
+
+
+def _say(text: str) -> str:
+    data = json.loads(text)
+    kind = data["kind"]
+    if kind == "global":
+        spec = spec_from_json(data["spec"])
+        return f"a GlobalTensor {tuple(data['shape'])} {data['dtype']} {spec!r}"
+    if kind == "tensor":
+        digest = f" (sha256 {data['sha256'][:12]})" if "sha256" in data else ""
+        return f"a tensor {tuple(data['shape'])} {data['dtype']}{digest}"
+    if kind == "value":
+        ((name, value),) = data["value"].items()
+        return f"the {name} {value!r}"
+    return "an RngState" if kind == "rng" else "None"
+
+
+def compare(proposals: list[Proposal], fn: str) -> None:
+    mine = proposals[0]
+    for rank, other in enumerate(proposals):
+        if other == dataclasses.replace(mine, rng=other.rng):
+            continue
+        if other.path != mine.path:
+            raise ValueError(
+                f"{fn}: rank 0 saves to {mine.path!r} and rank {rank} to {other.path!r}; every "
+                f"rank passes the same path"
+            )
+        keys0 = {tuple(json.loads(t)["path"]): t for t in mine.leaves}
+        keys1 = {tuple(json.loads(t)["path"]): t for t in other.leaves}
+        lines = []
+        for k in sorted(keys0.keys() | keys1.keys(), key=repr):
+            a, b = keys0.get(k), keys1.get(k)
+            if a == b:
+                continue
+            name = where(k)
+            lines.append(
+                f"{name}: rank 0 has {_say(a) if a else 'nothing'}, rank {rank} has "
+                f"{_say(b) if b else 'nothing'}"
+            )
+        if not lines:
+            lines.append("the trees have different structures (containers)")
+        raise ValueError(
+            f"{fn}: the ranks pass different trees; every rank saves the same tree (its own "
+            f"blocks; whole tensors and plain values, written once, equal on every rank):\n  "
+            + "\n  ".join(lines)
+        )
