@@ -34,6 +34,10 @@ from ._microbatch.batch_dim import infer_out_specs as infer_out_specs
 from ._microbatch.merge import merge as merge
 from ._microbatch.pmap import pmap_microbatch as pmap_microbatch
 from ._microbatch.split import split as split
+from ._remat.checkpoint import checkpoint as checkpoint
+from ._remat.checkpoint import remat as remat
+from ._remat.names import checkpoint_name as checkpoint_name
+from ._remat.policies import checkpoint_policies as checkpoint_policies
 from ._runtime.debug import debug as debug
 from ._runtime.debug import debug_enabled as debug_enabled
 from ._runtime.mesh import current_mesh as current_mesh
@@ -49,6 +53,7 @@ from ._shard_map.global_ops import reshard as reshard
 from ._shard_map.global_ops import shard as shard
 from ._shard_map.global_ops import to_dtensor as to_dtensor
 from ._shard_map.shard_map import shard_map as shard_map
+from ._shard_map.sharded_call import sharded_call as sharded_call
 from .integrations import transformers as _transformers  # noqa: F401 (registers its adapter)
 from .sequence._broadcast import broadcast_batches as broadcast_batches
 from .sequence._context import seq_positions as seq_positions
@@ -65,6 +70,11 @@ from .sequence._ulysses import ulysses_attention as ulysses_attention
 from .sequence._usp import usp_attention as usp_attention
 
 __all__ = [
+    "remat",
+    "checkpoint_policies",
+    "checkpoint_name",
+    "checkpoint",
+    "sharded_call",
     "to_dtensor",
     "shard",
     "reshard",

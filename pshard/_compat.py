@@ -93,7 +93,7 @@ def graph_task_id() -> int:
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Have the autograd engine call ``callback`` when the running backward pass succeeds."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def aten_op(name: str) -> Any:
@@ -102,7 +102,7 @@ def aten_op(name: str) -> Any:
     return getattr(torch.ops.aten, name, None)
 
 
-def strided_shard_type() -> type:
+def strided_shard_type() -> Any:
     """DTensor's ``_StridedShard`` placement class (the FSDP2 + TP layout)."""
     from torch.distributed.tensor import placement_types
 

@@ -40,6 +40,7 @@ import optree
 import torch
 
 from .._compat import is_wrapped
+from .._core.global_tensor import GlobalTensor, is_global
 from .._core.placements import Partial, Shard
 from .._core.tree import NAMESPACE, describe
 from .._runtime.debug import debug_enabled
@@ -424,6 +425,46 @@ class Concat:
         return torch.cat(self.pieces, self.dim)
 
 
+class _Blocks:
+    """A reduction that also takes :class:`~pshard.GlobalTensor` s: it reduces their blocks
+    (``Partial`` sums, means and extremes, ``Replicate()``'s first), every chunk's of the same
+    layout, and rebuilds a ``GlobalTensor`` of that layout. A ``GlobalTensor`` is one global
+    value, not rows of a batch: ``Shard(d)`` cannot concatenate it."""
+
+    __slots__ = ("inner", "meta", "spec")
+
+    def __init__(self, inner: Reducer, spec: Any) -> None:
+        self.inner = inner
+        self.spec = spec
+        self.meta: Any = None
+
+    def add(self, x: Any, w: float | torch.Tensor, i: int) -> None:
+        if is_global(x):
+            if isinstance(self.spec, Shard):
+                raise ReduceError(
+                    f"{self.spec!r} but the value is {describe(x)}: a GlobalTensor is one "
+                    f"global value, not rows of the batch; give it Partial(...) (gradients) or "
+                    f"Replicate()"
+                )
+            if i == 0:
+                self.meta = x.meta
+            elif self.meta != x.meta:
+                raise ReduceError(
+                    f"chunk {i} gave {describe(x)} laid out as {x.meta.spec!r} on mesh "
+                    f"{x.meta.key.text()}, another layout than chunk 0's; every chunk must give "
+                    f"the same layout"
+                )
+            self.inner.add(x.local, w, i)
+            return
+        if self.meta is not None:
+            raise ReduceError(f"chunk {i} gave {describe(x)} where chunk 0 gave a GlobalTensor")
+        self.inner.add(x, w, i)
+
+    def result(self) -> Any:
+        out = self.inner.result()
+        return out if self.meta is None else GlobalTensor(out, self.meta)
+
+
 def make_reducer(
     spec: Any,
     accum_dtype: torch.dtype | None,
@@ -438,14 +479,19 @@ def make_reducer(
     (``"microbatch {}"``); ``debug`` (default: :func:`pshard.debug_enabled`) turns on the
     equality check of ``Replicate()`` leaves."""
     kind = type(spec)
-    if kind is Shard:
-        return Concat(spec, sizes, label)
+    inner: Reducer
     several = chunks > 1
-    if kind is Partial:
+    if kind is Shard:
+        inner = Concat(spec, sizes, label)
+    elif kind is Partial:
         reduce = spec.reduce
         if reduce == "sum":
-            return _Sum(spec, accum_dtype, label, several)
-        if reduce == "mean":
-            return _Mean(spec, accum_dtype, label, several)
-        return _Extreme(spec, accum_dtype, label, several)
-    return _First(spec, accum_dtype, label, several, debug_enabled() if debug is None else debug)
+            inner = _Sum(spec, accum_dtype, label, several)
+        elif reduce == "mean":
+            inner = _Mean(spec, accum_dtype, label, several)
+        else:
+            inner = _Extreme(spec, accum_dtype, label, several)
+    else:
+        on = debug_enabled() if debug is None else debug
+        inner = _First(spec, accum_dtype, label, several, on)
+    return _Blocks(inner, spec)

@@ -1,0 +1,378 @@
+"""``ps.sharded_call``: ``torch.func.functional_call`` for FSDP-sharded parameters.
+
+A model is cut into units (by default its repeated blocks, e.g. the decoder layers, and one
+unit for the rest). The rest's parameters are gathered when the call starts; each unit gathers
+its own right before it runs and lets them go after; the backward gathers them again and returns
+their cotangents as blocks. The regathering is :func:`pshard.checkpoint` around each unit with a
+policy that keeps everything but the gathered weights (FSDP's reshard-after-forward), so the
+activations are not recomputed, only the gathers.
+
+Two forms, told apart per parameter:
+
+- a :class:`~pshard.GlobalTensor` (outside any map, or passed into a map over other axes): its
+  blocks are gathered with :func:`pshard.gather` (the transpose takes this rank's block of the
+  whole cotangent);
+- a plain tensor, with its spec in ``specs`` (inside a map: the block ``fn`` received and the
+  map's in_spec for it): gathered with :func:`pshard.all_gather` over the spec's axes, padded
+  where the blocks are uneven (``torch.chunk``'s rule); the transpose is a ``psum_scatter``, the
+  cotangent of the block summed over the ranks that used the whole. Global shapes are read from
+  the module's own parameters (which may live on the ``meta`` device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .._collectives.functions import all_gather
+from .._core.global_tensor import GlobalTensor, is_global
+from .._core.layout_rules import index_runs
+from .._core.placements import P, Replicate, Shard
+from .._core.specs import broadcast_prefix_flat
+from .._core.tree import describe, tree_flatten
+from .._remat.checkpoint import checkpoint
+from .._remat.names import checkpoint_name
+from .._remat.policies import save_anything_except_these_names
+from .._runtime.mesh import current_mesh
+from .global_ops import gather
+
+__all__ = ["GATHER_NAME", "sharded_call"]
+
+_FN = "sharded_call"
+
+#: The :func:`pshard.checkpoint_name` of the weights a unit gathers (recomputed, not saved).
+GATHER_NAME = "pshard.sharded_call.gather"
+
+# the units whose own forward is running (their override calls through to it)
+_INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "pshard_sharded_call_inside", default=frozenset()
+)
+
+Units = type | tuple[type, ...] | list[type] | Callable[[torch.nn.Module], bool] | None
+
+
+def _default_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks: children of a ``ModuleList`` whose class occurs twice or more."""
+    out = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.ModuleList):
+            classes = [type(m) for m in sub]
+            for i, child in enumerate(sub):
+                if classes.count(type(child)) > 1:
+                    out.append((f"{name}.{i}" if name else str(i), child))
+    return out
+
+
+def _find_units(module: torch.nn.Module, units: Units) -> list[tuple[str, torch.nn.Module]]:
+    if units is None:
+        found = _default_units(module)
+    else:
+        if isinstance(units, type):
+            units = (units,)
+        if isinstance(units, (tuple, list)):
+            if not all(isinstance(c, type) for c in units):
+                raise TypeError(
+                    f"{_FN}: units must be module classes or a predicate module -> bool, got "
+                    f"{units!r}"
+                )
+            classes = tuple(units)
+            test: Callable[[torch.nn.Module], bool] = lambda m: isinstance(m, classes)  # noqa: E731
+        elif callable(units):
+            test = units
+        else:
+            raise TypeError(
+                f"{_FN}: units must be module classes or a predicate module -> bool, got "
+                f"{describe(units)}"
+            )
+        found = [(n, m) for n, m in module.named_modules() if n and test(m)]
+    # outermost units only: a unit inside another is part of it
+    names = [n for n, _ in found]
+    return [(n, m) for n, m in found if not any(n != o and n.startswith(o + ".") for o in names)]
+
+
+def _owner(name: str, prefixes: list[str]) -> str | None:
+    for p in prefixes:
+        if name.startswith(p + "."):
+            return p
+    return None
+
+
+class _Gatherer:
+    """Gathers one parameter: a GlobalTensor with :func:`pshard.gather`, a block of a map's
+    input with padded all-gathers over its spec's axes."""
+
+    def __init__(self, name: str, spec: Any, whole: tuple[int, ...]) -> None:
+        self.name = name
+        self.whole = whole
+        self.spec = spec
+
+    def __call__(self, value: Any) -> torch.Tensor:
+        if is_global(value):
+            out: torch.Tensor = gather(value)
+            return out
+        return _gather_block(value, self.spec, self.whole, self.name)
+
+
+def _axes_of(spec: Any, ndim: int, name: str) -> list[tuple[str, int]]:
+    """``(axis, dim)`` pairs of a block's spec, in the order the splits apply."""
+    if spec is None or isinstance(spec, Replicate):
+        return []
+    if isinstance(spec, Shard):
+        names = tuple(current_mesh().mesh_dim_names or ())
+        return [(a, spec.dim % ndim) for a in names]
+    if isinstance(spec, P):
+        out = []
+        for d, entry in enumerate(spec):
+            for a in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+                out.append((a, d))
+        return out
+    raise TypeError(
+        f"{_FN} specs[{name!r}]: expected a P over the mesh axes, Shard(d), Replicate() or None "
+        f"as the spec of a block, got {describe(spec)}"
+    )
+
+
+def _gather_block(
+    block: torch.Tensor, spec: Any, whole: tuple[int, ...], name: str
+) -> torch.Tensor:
+    """The whole parameter from this rank's block (inside a map over the spec's axes)."""
+    pairs = _axes_of(spec, len(whole), name)
+    if not pairs:
+        return block
+    mesh = current_mesh()
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = {a: mesh.size(names.index(a)) for a, _ in pairs}
+    coord = {a: mesh.get_local_rank(a) for a, _ in pairs}
+    runs = index_runs(
+        whole,
+        tuple(sizes[a] for a, _ in pairs),
+        tuple(coord[a] for a, _ in pairs),
+        tuple(Shard(d) for _, d in pairs),
+    )
+    expected = tuple(sum(map(len, r)) for r in runs)
+    if tuple(block.shape) != expected:
+        raise ValueError(
+            f"{_FN} params[{name!r}]: the block has shape {tuple(block.shape)}, but {spec!r} "
+            f"splits the module's parameter of shape {whole} so that this rank holds "
+            f"{expected}; pass the block the map gave (its in_spec as specs[{name!r}])"
+        )
+    out = block
+    # undo the splits innermost first: each gathers the pieces of the block one level up
+    for i in reversed(range(len(pairs))):
+        axis, d = pairs[i]
+        outer = index_runs(
+            whole,
+            tuple(sizes[a] for a, _ in pairs[:i]),
+            tuple(coord[a] for a, _ in pairs[:i]),
+            tuple(Shard(dd) for _, dd in pairs[:i]),
+        )
+        length = sum(map(len, outer[d]))  # the size of dim d one level up
+        piece = -(-length // sizes[axis])
+        if out.shape[d] < piece:  # uneven: pad to the largest piece, trim after the gather
+            pad = list(out.shape)
+            pad[d] = piece - out.shape[d]
+            out = torch.cat([out, out.new_zeros(pad)], d)
+        out = all_gather(out, axis, dim=d, tiled=True).narrow(d, 0, length)
+    return out
+
+
+class _UnitCall:
+    """One unit's call, checkpointed: gathers the unit's parameters from the blocks it is given
+    (named :data:`GATHER_NAME`, so the policy recomputes them) and runs the unit's own forward
+    with them. Not a closure over the unit, so the checkpoint does not take the unit's own
+    parameters for arguments."""
+
+    def __init__(
+        self,
+        unit: torch.nn.Module,
+        names: list[str],
+        local_names: list[str],
+        gatherers: list[_Gatherer],
+        metas: list[Any],
+    ) -> None:
+        self.unit = unit
+        self.names = names
+        self.local_names = local_names
+        self.gatherers = gatherers
+        self.metas = metas
+
+    def __call__(self, blocks: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        whole = {}
+        for local_name, gatherer, meta, block in zip(
+            self.local_names, self.gatherers, self.metas, blocks, strict=True
+        ):
+            value = block if meta is None else GlobalTensor(block, meta)
+            whole[local_name] = checkpoint_name(gatherer(value), GATHER_NAME)
+        token = _INSIDE.set(_INSIDE.get() | {id(self.unit)})
+        try:
+            return torch.func.functional_call(self.unit, whole, args, kwargs, strict=False)
+        finally:
+            _INSIDE.reset(token)
+
+
+@contextlib.contextmanager
+def _installed(calls: Mapping[int, tuple[torch.nn.Module, Callable[..., Any]]]) -> Iterator[None]:
+    """Each unit's forward replaced by its checkpointed call while the block runs; inside that
+    call, the unit's own forward."""
+    saved = []
+    try:
+        for unit, call in calls.values():
+            own = unit.__dict__.get("forward")
+            original = type(unit).forward if own is None else own
+
+            def forward(*args: Any, __unit: Any = unit, __call: Any = call, __orig: Any = original,
+                        **kwargs: Any) -> Any:  # fmt: skip
+                if id(__unit) in _INSIDE.get():
+                    return (
+                        __orig(__unit, *args, **kwargs)
+                        if __orig is type(__unit).forward
+                        else __orig(*args, **kwargs)
+                    )
+                return __call(*args, **kwargs)
+
+            saved.append((unit, own))
+            unit.forward = forward
+        yield
+    finally:
+        for unit, own in saved:
+            if own is None:
+                del unit.forward
+            else:
+                unit.forward = own
+
+
+def sharded_call(
+    module: torch.nn.Module,
+    params: Mapping[str, Any],
+    args: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    specs: Any = None,
+    units: Units = None,
+) -> Any:
+    """``torch.func.functional_call(module, params, args, kwargs)`` with FSDP-sharded
+    parameters: each unit of the model gathers its parameters right before it runs, lets them
+    go after, gathers them again in the backward, and returns their cotangents as blocks.
+
+    In pseudo-code::
+
+        rest = gather(params of no unit)                 # kept for the whole call
+        for each unit, when the model calls it:
+            out = checkpoint(lambda blocks, *a: unit(gather(blocks), *a),
+                             policy=save_anything_except_these_names(gathered weights))
+
+    Two forms, told apart per parameter (they may be mixed):
+
+    - **GlobalTensors** (outside any map, or passed through a map over other axes): the blocks
+      are gathered with :func:`pshard.gather` over the tensor's own mesh; ``args`` are whole.
+    - **Blocks inside a map** (the usual case, data sharded over ``"dp"`` too): ``params`` are
+      the blocks ``fn`` received and ``specs`` their spec tree (the map's in_specs for them, a
+      prefix tree of ``params``); each is gathered with :func:`pshard.all_gather` over its spec's
+      axes (uneven blocks padded), whose transpose reduce-scatters the cotangent. The global
+      shapes are the module's own parameters' (build the module on the ``meta`` device to hold
+      no weights).
+
+    Gradients: exact under ``torch.func.grad`` / ``vjp`` and ``.backward()`` (blocks as leaf
+    tensors), uneven and empty blocks included; they come back as blocks (GlobalTensors of the
+    same layout, or blocks of the map's input). Per-rank peak: the blocks, the rest's gathered
+    parameters, one gathered unit and the activations.
+
+    Args:
+        module: the model. Its own parameters are not used where ``params`` has a value (they
+            may be on the ``meta`` device); parameters and buffers ``params`` lacks are the
+            module's own.
+        params: parameter (and buffer) name -> GlobalTensor, block, or whole tensor (a spec of
+            ``None`` / ``Replicate()``).
+        args: the positional arguments of the call (a tuple, or a single value).
+        kwargs: its keyword arguments.
+        specs: for blocks: a prefix tree of ``params`` of ``P`` specs (or ``Shard(d)``,
+            ``Replicate()``, ``None``); ignored for GlobalTensors, which carry their own.
+        units: module classes or a predicate ``module -> bool`` choosing the units; default the
+            repeated blocks (children of a ``ModuleList`` whose class occurs twice or more).
+
+    Returns:
+        What ``module`` returns.
+
+    Raises:
+        TypeError: ``units`` or a spec of the wrong kind.
+        ValueError: a name of ``params`` that is not a parameter or buffer of ``module``, or a
+            block whose shape is not this rank's block of the parameter under its spec.
+
+    Example:
+        >>> import torch, pshard as ps
+        >>> mesh = ps.init_mesh({"dp": 1})
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> params = ps.shard(dict(model.named_parameters()), ps.P("dp"))
+        >>> out = ps.sharded_call(model, params, (torch.ones(3, 4),))
+        >>> torch.allclose(out, model(torch.ones(3, 4)))
+        True
+    """
+    kwargs = dict(kwargs or {})
+    args = args if isinstance(args, tuple) else (args,)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{_FN}: module must be an nn.Module, got {describe(module)}")
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"{_FN}: params must be a dict of name -> tensor, as torch.func.functional_call "
+            f"takes, got {describe(params)}"
+        )
+    own: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    own.update(module.named_buffers(remove_duplicate=False))
+    unknown = [n for n in params if n not in own]
+    if unknown:
+        raise ValueError(
+            f"{_FN}: params names {unknown[:5]} that module ({type(module).__name__}) has no "
+            f"parameter or buffer of; use the names of module.named_parameters()"
+        )
+    names = list(params)
+    values = [params[n] for n in names]
+    leaves, treedef = tree_flatten(dict(zip(names, values, strict=True)))
+    spec_list = (
+        broadcast_prefix_flat(specs, treedef, leaves, name="specs", fn_name=_FN)
+        if specs is not None
+        else [None] * len(leaves)
+    )
+    by_name = dict(zip(sorted(names), spec_list, strict=True))  # pshard's dicts flatten sorted
+    unit_list = _find_units(module, units)
+    prefixes = sorted((n for n, _ in unit_list), key=len, reverse=True)
+    members: dict[str, list[str]] = {p: [] for p, _ in unit_list}
+    rest: dict[str, Any] = {}
+    for n in names:
+        owner = _owner(n, prefixes)
+        if owner is None:
+            v = params[n]
+            if is_global(v) or (isinstance(v, torch.Tensor) and by_name[n] is not None):
+                rest[n] = _Gatherer(n, by_name[n], tuple(own[n].shape))(v)
+            else:
+                rest[n] = v
+        else:
+            members[owner].append(n)
+    calls: dict[int, tuple[torch.nn.Module, Callable[..., Any]]] = {}
+    for prefix, unit in unit_list:
+        mine = members[prefix]
+        if not mine:
+            continue
+        blocks = [params[n].local if is_global(params[n]) else params[n] for n in mine]
+        metas = [params[n].meta if is_global(params[n]) else None for n in mine]
+        run = _UnitCall(
+            unit,
+            mine,
+            [n[len(prefix) + 1 :] for n in mine],
+            [_Gatherer(n, by_name[n], tuple(own[n].shape)) for n in mine],
+            metas,
+        )
+        policy = save_anything_except_these_names(GATHER_NAME)
+        calls[id(unit)] = (unit, _bind(checkpoint(run, policy=policy), blocks))
+    with _installed(calls):
+        return torch.func.functional_call(module, rest, args, kwargs, strict=False)
+
+
+def _bind(fn: Callable[..., Any], blocks: list[torch.Tensor]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(blocks, *args, **kwargs)
+
+    return call
