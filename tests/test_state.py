@@ -179,7 +179,7 @@ def test_a_dcp_checkpoint_loads_without_unpickling(tmp_path: Path) -> None:
         load(path, meta)
     with pytest.raises(
         ValueError,
-        match=re.escape("like['n'] ('n'): the checkpoint holds a pickled object, like a int"),
+        match=re.escape("like['n'] ('n'): the checkpoint holds a pickled object, like an int"),
     ):
         load(path, {"model": {"w": torch.empty(3, 2)}, "n": 0})
 

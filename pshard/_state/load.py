@@ -19,7 +19,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._core.global_tensor import GlobalMeta, GlobalTensor, block_shape, is_global, mesh_key
-from .._core.tree import describe, keystr, tree_flatten_with_path, tree_unflatten
+from .._core.tree import article, describe, keystr, tree_flatten_with_path, tree_unflatten
 from .._runtime.mesh import current_mesh
 from .._shard_map.global_ops import from_dtensor, global_spec, reshard, to_dtensor
 from .manifest import (
@@ -177,7 +177,7 @@ class _Want:
     and ``prepare``, which allocates the DTensor or tensor DCP reads into and returns it with
     the function that builds the output from it."""
 
-    kind: str
+    kind: Literal["tensor", "value", "none", "rng"]
     shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
     value_type: type | None = None
@@ -223,7 +223,10 @@ def _want(x: Any, here: str, fn: str) -> _Want:
         from torch.distributed.tensor import DTensor
 
         if isinstance(x, DTensor):
-            g = from_dtensor(x)
+            try:
+                g = from_dtensor(x)
+            except ValueError as e:
+                raise ValueError(f"{fn} {here}: {e}") from None
             return _global_want(g.meta, g.dtype, _device(g.local, g.meta), "dtensor")
     if is_global(x):
         return _global_want(x.meta, x.dtype, _device(x.local, x.meta), "global")
@@ -275,7 +278,7 @@ def _say_want(w: _Want) -> str:
         return f"a {dtype_name(w.dtype)} tensor of shape {w.shape}"
     if w.kind == "value":
         assert w.value_type is not None
-        return f"a {w.value_type.__name__}"
+        return article(w.value_type.__name__)
     return {"none": "None", "rng": "an RngState"}[w.kind]
 
 

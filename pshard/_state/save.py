@@ -107,19 +107,18 @@ def save(
     if not isinstance(async_save, bool):
         raise TypeError(f"{fn}: async_save must be a bool, got {describe(async_save)}")
     comm = default_comm()
-    lock = SaveLock(target.parent) if comm.rank == 0 else None
-    handed = False
+    locks: list[SaveLock] = []  # rank 0's, from the first step to the switch
     try:
-        job = _prepare(target, tree, comm, fn, async_save)
-        if async_save:
-            group = dist.new_group(backend="gloo") if isinstance(comm, GroupComm) else None
-            future = _in_background(job, group, lock)
-            handed = True
-            return future
-        job(comm)
-        return None
+        job = _prepare(target, tree, comm, fn, async_save, locks)
+        if not async_save:
+            job(comm)
+            return None
+        group = dist.new_group(backend="gloo") if isinstance(comm, GroupComm) else None
+        future = _in_background(job, group, locks[0] if locks else None)
+        locks.clear()  # the background thread releases it
+        return future
     finally:
-        if lock is not None and not handed:
+        for lock in locks:
             lock.release()
 
 
@@ -147,10 +146,11 @@ def _in_background(
 
 
 def _prepare(
-    target: Path, tree: Any, comm: Comm, fn: str, async_save: bool
+    target: Path, tree: Any, comm: Comm, fn: str, async_save: bool, locks: list[SaveLock]
 ) -> Callable[[Comm], None]:
-    """Agree on the tree with the other ranks, then lay out what each rank writes; returns
-    the write (run now, or in the background with a comm of its own)."""
+    """Agree with the other ranks on the tree (rank 0 takes the save lock), lay out what each
+    rank writes (copies of the tensors for an async save) and check that every rank could;
+    returns the write (run now, or in the background with a comm of its own)."""
     accessors, leaves, treedef = tree_flatten_with_path(
         tree, is_leaf=is_state_leaf, none_is_leaf=True
     )
@@ -160,6 +160,8 @@ def _prepare(
     manifest: list[Manifest] = []
 
     def propose() -> Proposal:
+        if comm.rank == 0:
+            locks.append(SaveLock(target.parent))
         for accessor, x in zip(accessors, leaves, strict=True):
             rec, value = record(key_path(accessor, fn), x, accessor, fn)
             records.append(rec)
@@ -185,24 +187,28 @@ def _prepare(
 
     token: str = agree(comm, fn, propose, decide)
     aside = aside_path(target, token)
-    plan: dict[str, Any] = {}
-    data: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for rec, value in zip(records, values, strict=True):
-            if rec.kind == "global":
-                x: GlobalTensor = value
-                if not expressible(x.meta):
-                    x = reshard(x, nearest_spec(x.meta))
-                block = x.local.detach()
-                plan[rec.fqn] = to_dtensor(GlobalTensor(block.to("meta"), x.meta))
-            elif rec.kind == "tensor":
-                block = value.detach()
-                plan[rec.fqn] = block.to("meta")
-            else:
-                continue
-            if async_save:
-                block = block.to("cpu", memory_format=torch.contiguous_format, copy=True)
-            data[rec.fqn] = block
+    plan: dict[str, Any] = {}  # fqn -> what DCP plans from: DTensors and tensors of meta blocks
+    data: dict[str, torch.Tensor] = {}  # fqn -> this rank's block or the whole tensor
+
+    def lay_out() -> None:
+        with torch.no_grad():
+            for rec, value in zip(records, values, strict=True):
+                if rec.kind == "global":
+                    x: GlobalTensor = value
+                    if not expressible(x.meta):  # a collective over the mesh
+                        x = reshard(x, nearest_spec(x.meta))
+                    block = x.local.detach()
+                    plan[rec.fqn] = to_dtensor(GlobalTensor(block.to("meta"), x.meta))
+                elif rec.kind == "tensor":
+                    block = value.detach()
+                    plan[rec.fqn] = block.to("meta")
+                else:
+                    continue
+                if async_save:
+                    block = block.to("cpu", memory_format=torch.contiguous_format, copy=True)
+                data[rec.fqn] = block
+
+    agree(comm, fn, lay_out, lambda done: [None] * comm.size)
 
     def commit() -> None:
         text = manifest[0].to_json()
