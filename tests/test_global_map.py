@@ -358,6 +358,40 @@ def test_maps_over_different_axes_nest(pool: Any) -> None:
     assert pool.run(4, _nested_worker) == [1] * 4
 
 
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _compile_worker() -> int:
+    """A GlobalTensor input through a compiled shard_map: the same loss, gradient and
+    .backward() as eager."""
+    torch._dynamo.reset()
+    ps.init_mesh({"dp": 2})
+    w, x = _whole(6, 4, seed=11), _whole(5, 6, seed=12)
+    g = ps.shard(w, P("dp"))
+
+    def body(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return ps.psum((x @ ps.all_gather(w, "dp")).tanh().sum(), "dp")
+
+    f = ps.shard_map(body, in_specs=(P("dp"), P("dp")), out_specs=P())
+    compiled = torch.compile(f, backend="aot_eager")
+    _close(compiled(g, x), f(g, x))
+    ref = grad(f)(g, x)
+    local = g.local.clone().requires_grad_()
+    compiled(ps.GlobalTensor(local, g.meta), x).backward()
+    _close(local.grad, ref.local)
+    out = torch.compile(
+        ps.shard_map(lambda w: 2 * w, in_specs=P("dp"), out_specs=P("dp"), gather_outputs=False),
+        backend="aot_eager",
+    )(g)
+    assert isinstance(out, ps.GlobalTensor) and out.meta == g.meta
+    _close(out.local, 2 * g.local)
+    return 1
+
+
+def test_global_tensors_compile(pool: Any) -> None:
+    assert pool.run(2, _compile_worker) == [1, 1]
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -145,7 +145,8 @@ class GlobalTensor:
         self.meta = meta
         # the block's version counter when this node was made (``torch.func`` makes new nodes
         # around the tensors it wraps): a change under a transform means an in-place write
-        self.version = innermost(local)._version if isinstance(local, torch.Tensor) else None
+        tracked = isinstance(local, torch.Tensor) and not torch.compiler.is_compiling()
+        self.version = innermost(local)._version if tracked else None
 
     @property
     def spec(self) -> P:
@@ -396,6 +397,7 @@ def check_unmodified(x: GlobalTensor, fn: str, where: str) -> None:
     if (
         isinstance(local, torch.Tensor)
         and x.version is not None
+        and not torch.compiler.is_compiling()
         and is_wrapped(local)
         and innermost(local)._version != x.version
     ):
