@@ -10,7 +10,7 @@ Imports torch only; every layer of pshard may import it.
 - the autograd engine: :func:`graph_task_id`, :func:`queue_backward_callback`;
 - private kernels and types: :func:`aten_op`, :func:`strided_shard_type`;
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
-  :func:`group_count`;
+  :func:`flattened_group`, :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
   :data:`OpOverload`, :class:`TorchDispatchMode`;
 - pytree registration with torch's own pytree: :func:`register_torch_pytree`.
@@ -37,6 +37,7 @@ __all__ = [
     "constant_source",
     "default_store",
     "fake_tensor_types",
+    "flattened_group",
     "aten_op",
     "graph_task_id",
     "innermost",
@@ -107,6 +108,12 @@ def strided_shard_type() -> Any:
     from torch.distributed.tensor import placement_types
 
     return placement_types._StridedShard
+
+
+def flattened_group(mesh: Any) -> Any:
+    """The process group of a ``DeviceMesh`` (a slice of several axes) flattened into one axis;
+    DeviceMesh caches the flattened mesh on its root, so the group is created once."""
+    return mesh._flatten().get_group()
 
 
 def default_store() -> Any:

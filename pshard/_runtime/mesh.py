@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .._compat import flattened_group
 from .._core.checks import axis_names
 
 __all__ = ["Axis", "AxisInfo", "current_mesh", "init_mesh", "resolve_axis", "use_mesh"]
@@ -314,4 +315,4 @@ def _flattened_group(mesh: DeviceMesh, names: tuple[str, ...]) -> dist.ProcessGr
     """The process group spanning several mesh axes (named in the mesh's order).
 
     DeviceMesh caches flattened meshes on its root mesh, so the group is created once."""
-    return mesh[names]._flatten().get_group()
+    return flattened_group(mesh[names])
