@@ -36,7 +36,7 @@ __all__ = ["SaveLock", "aside_path", "check_target", "new_token", "remove_stale"
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV})
 
 
 def new_token() -> str:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Literal, cast
 
 import optree
@@ -355,7 +356,7 @@ def spec_from_json(data: Sequence[Any]) -> P:
     return P(*(tuple(e) if isinstance(e, list) else e for e in data))
 
 
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_NONFINITE = MappingProxyType({"nan": math.nan, "inf": math.inf, "-inf": -math.inf})
 
 
 def value_to_json(value: int | float | str | bool) -> dict[str, Any]:
@@ -363,6 +364,11 @@ def value_to_json(value: int | float | str | bool) -> dict[str, Any]:
     if isinstance(value, float) and not math.isfinite(value):
         return {"float": "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"}
     return {type(value).__name__: value}
+
+
+_PLAIN_TYPES: Mapping[str, type] = MappingProxyType(
+    {"int": int, "float": float, "str": str, "bool": bool}
+)
 
 
 def value_from_json(data: Mapping[str, Any]) -> int | float | str | bool:
@@ -375,8 +381,7 @@ def value_from_json(data: Mapping[str, Any]) -> int | float | str | bool:
     value: Any = raw
     if name == "float" and isinstance(value, str):
         return _NONFINITE[value]
-    kinds: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
-    cls = kinds.get(name)
+    cls = _PLAIN_TYPES.get(name)
     if cls is None:
         raise ValueError(f"not a saved value: {data!r}")
     if cls is float and isinstance(value, int) and not isinstance(value, bool):

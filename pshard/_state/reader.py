@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -25,25 +27,29 @@ __all__ = ["DCP_METADATA", "CheckpointReader", "read_dcp_metadata"]
 DCP_METADATA = ".metadata"
 
 _META = "torch.distributed.checkpoint.metadata"
-_ALLOWED: dict[str, frozenset[str]] = {
-    _META: frozenset(
-        {
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset({"Size"}),
-    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),
-    "collections": frozenset({"OrderedDict"}),
-}
+_ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        _META: frozenset(
+            {
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            }
+        ),
+        "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+        "torch.serialization": frozenset({"_get_layout"}),
+        "torch": frozenset({"Size"}),
+        "pathlib": frozenset(
+            {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
+        ),
+        "collections": frozenset({"OrderedDict"}),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

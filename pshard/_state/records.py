@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from optree import PyTreeAccessor
 
 from .._compat import is_wrapped
 from .._core.global_tensor import GlobalMeta, dtensor_placements, is_global
@@ -101,7 +102,7 @@ def expressible(meta: GlobalMeta) -> bool:
 # --------------------------------------------------------------------------- the leaves
 
 
-def record(path: KeyPath, x: Any, accessor: Any, fn: str) -> tuple[LeafRecord, Any]:
+def record(path: KeyPath, x: Any, accessor: PyTreeAccessor, fn: str) -> tuple[LeafRecord, Any]:
     """This leaf's record and the value to save (a GlobalTensor, tensor, value or state)."""
     here = keystr(accessor, "tree")
     if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
