@@ -397,3 +397,17 @@ def test_saved_tensor_with_a_spec_needs_a_mesh(tmp_path: Path) -> None:
         contextvars.Context().run(load, path, {"w": entry})
     meta_like = {"w": torch.empty(2, device="meta")}
     assert load(path, meta_like)["w"].device == torch.device("cpu")
+
+
+def test_a_process_without_a_process_group(tmp_path: Path, monkeypatch: Any) -> None:
+    """Saves run their steps alone (no object collectives) when there is no process group."""
+    import pshard._state.save as save_module
+    from pshard._state.comm import LocalComm
+
+    monkeypatch.setattr(save_module, "default_comm", LocalComm)
+    path = _ckpt(tmp_path)
+    save(path, {"t": torch.arange(3.0), "step": 1})
+    fut = save(path, {"t": torch.arange(4.0), "step": 2}, async_save=True)
+    assert fut is not None and fut.result(timeout=60) is None
+    back = load(path, {"t": torch.empty(4), "step": 0})
+    assert back["step"] == 2 and torch.equal(back["t"], torch.arange(4.0))

@@ -34,10 +34,6 @@ class Comm(Protocol):
     @property
     def size(self) -> int: ...
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank."""
-        ...
-
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (``None`` elsewhere)."""
         ...
@@ -63,11 +59,6 @@ class GroupComm:
     def size(self) -> int:
         return self._size
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self._size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     def gather(self, obj: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self._size if self._rank == 0 else None
         dist.gather_object(obj, out, group=self.group, group_dst=0)
@@ -84,9 +75,6 @@ class LocalComm:
 
     rank = 0
     size = 1
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        return [obj]
 
     def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
