@@ -311,6 +311,27 @@ def test_dots_saveable_keeps_only_the_products() -> None:
     assert 4 * len(ws) * act <= dots - nothing <= 5 * len(ws) * act  # x @ w1 (4x), h @ w2 (1x)
 
 
+def test_offload_keeps_what_the_policy_keeps_in_cpu_memory() -> None:
+    from pshard._remat import tape as tape_module
+
+    seen: list[list[torch.Tensor]] = []
+    original = tape_module.Replayer.__init__
+
+    def spy(self, tape, inputs, kept):  # what the recompute is handed
+        seen.append(list(kept))
+        original(self, tape, inputs, kept)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, x = W.to(device), X.to(device)
+    f = checkpoint(body, policy=cp.offload(cp.dots_saveable))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tape_module.Replayer, "__init__", spy)
+        got = grad(_loss(f), (0, 1))(w, x)
+    close([g.cpu() for g in got], [g.cpu() for g in grad(_loss(body), (0, 1))(w, x)])
+    assert len(seen) == 1 and len(seen[0]) == 2  # x @ w and sin(g) @ w.t()
+    assert all(t.device.type == "cpu" for t in seen[0])
+
+
 # --- the contexts of the forward ----------------------------------------------------------------
 
 SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("SCALE", default=1.0)
@@ -642,6 +663,20 @@ def test_a_tensor_modified_in_place_before_the_backward_is_an_error() -> None:
     scale.mul_(2)
     with pytest.raises(ValueError, match="took another path than its forward"):
         pull(torch.ones(2, 3, dtype=f64))
+
+
+def test_an_argument_modified_in_place_before_the_backward_is_an_error() -> None:
+    x = randn(2, 3)
+    _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w)), W, x)
+    x.add_(1)
+    with pytest.raises(ValueError, match=re.escape("argument 1 of")):
+        pull(torch.ones(2, 3, dtype=f64))
+    z = x.clone().requires_grad_() * 1
+    out = checkpoint(lambda z: torch.tanh(z * 2))(z)
+    with torch.no_grad():
+        z.mul_(2)  # under .backward(), autograd's own check of what it saved
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
 
 
 def test_writing_a_differentiated_argument_in_place_is_an_error() -> None:

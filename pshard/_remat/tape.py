@@ -45,119 +45,18 @@ from typing import Any
 import optree
 import torch
 
-from pshard._core.caches import cached
 from pshard._core.tree import NAMESPACE
 
 from . import compat
-from .policies import Policy, is_collective, is_p2p
+from .ops import BOOKKEEPING, KEEPABLE, call_kind, describe_call, storage, written
+from .policies import Policy
 from .rng import Rewind, RngStates, capture
 
-__all__ = ["Entry", "Recorder", "Replayer", "Tape", "op_kind", "written"]
+__all__ = ["Entry", "Recorder", "Replayer", "Tape"]
 
 _SIMPLE = (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout)
 _MEMORY_FORMAT = type(torch.contiguous_format)
 _SMALL = 64  # tensors from outside with at most this many elements are known by value
-
-# Operators autograd and functorch may add or leave out between two runs of the same program.
-_BOOKKEEPING = frozenset(
-    {"detach", "alias", "lift_fresh", "is_same_size", "_has_same_storage_numel"}
-)
-# Operators whose output depends on no tensor's values (only shapes, dtypes, constants).
-_FACTORIES = frozenset(
-    {
-        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
-        "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like",
-        "new_full", "scalar_tensor", "arange", "linspace", "logspace", "eye",
-    }
-)  # fmt: skip
-_KEEPABLE = ("compute", "write", "collective")
-# Operators that write arguments their schema does not mark (running statistics in training).
-_UNMARKED_WRITES = {
-    "native_batch_norm": (3, 4),
-    "cudnn_batch_norm": (3, 4),
-    "miopen_batch_norm": (3, 4),
-}
-
-
-@cached("pshard.remat.op_kind", maxsize=4096)
-def op_kind(op: Any) -> str:
-    """How the tape treats ``op``: ``"compute"`` (fresh outputs), ``"view"`` (outputs alias an
-    input), ``"write"`` (writes an argument in place), ``"random"``, ``"factory"`` (a new tensor
-    from shapes and constants), ``"collective"`` (a c10d collective, writes its first
-    argument), ``"p2p"`` (other communication)."""
-    if is_collective(op):
-        return "collective"
-    if is_p2p(op):
-        return "p2p"
-    if torch.Tag.nondeterministic_seeded in op.tags:
-        return "random"
-    if op._opname in _FACTORIES:
-        return "factory"
-    if op._opname in _UNMARKED_WRITES and op._overloadname == "default":
-        return "write"
-    schema = op._schema
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return "write"
-    if any(r.alias_info is not None for r in schema.returns):
-        return "view"
-    return "compute"
-
-
-@cached("pshard.remat.dropout_arg", maxsize=4096)
-def _dropout_position(op: Any) -> int | None:
-    names = [a.name for a in op._schema.arguments]
-    return names.index("dropout_p") if "dropout_p" in names else None
-
-
-def _kind(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """:func:`op_kind`, except that an attention kernel without dropout draws nothing."""
-    kind = op_kind(op)
-    if kind == "random":
-        i = _dropout_position(op)
-        if i is not None:
-            p = args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
-            if not p:
-                return "compute"
-    return kind
-
-
-@cached("pshard.remat.written_args", maxsize=4096)
-def _write_positions(op: Any) -> tuple[tuple[int, str], ...]:
-    """``(position, name)`` of the arguments ``op`` writes in place."""
-    if is_collective(op) or op._opname.startswith("recv"):
-        return ((0, op._schema.arguments[0].name),)
-    if is_p2p(op):
-        return ()
-    if op._opname in _UNMARKED_WRITES and op._overloadname == "default":
-        return tuple((i, op._schema.arguments[i].name) for i in _UNMARKED_WRITES[op._opname])
-    return tuple(
-        (i, a.name)
-        for i, a in enumerate(op._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
-
-
-def written(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors ``op`` writes in place, in order."""
-    out: list[torch.Tensor] = []
-    for i, name in _write_positions(op):
-        value = args[i] if i < len(args) else kwargs.get(name)
-        if value is not None:
-            leaves: list[Any] = optree.tree_leaves(value, namespace=NAMESPACE)
-            out.extend(x for x in leaves if isinstance(x, torch.Tensor))
-    return out
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr() if t.numel() else None
-    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
-        return None
-
-
-def _describe_call(op: Any, tensors: Sequence[torch.Tensor]) -> str:
-    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
-    return f"{op} on ({shapes})" if tensors else f"{op}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -379,7 +278,7 @@ class Recorder(compat.TorchDispatchMode):
         self.tape = tape
         self._sources = _Sources(inputs)
         self._inputs = list(inputs)
-        self._input_storage = {_storage(t): i for i, t in enumerate(inputs)}
+        self._input_storage = {storage(t): i for i, t in enumerate(inputs)}
         self._input_storage.pop(None, None)
         self._writer: dict[int, int] = {}  # storage -> entry that last wrote it
         self._random = 0
@@ -391,7 +290,7 @@ class Recorder(compat.TorchDispatchMode):
         if _traced(args, kwargs):
             return func(*args, **kwargs)
         tape = self.tape
-        kind = _kind(func, args, kwargs)
+        kind = call_kind(func, args, kwargs)
         if kind == "factory":
             out = func(*args, **kwargs)
             for t in _fresh(out, []):
@@ -410,7 +309,7 @@ class Recorder(compat.TorchDispatchMode):
         out = func(*args, **kwargs)
         j = len(tape.entries)
         fresh: list[torch.Tensor] = []
-        entry = Entry(func, kind, _describe_call(func, tensors), *_template(out, fresh, writes))
+        entry = Entry(func, kind, describe_call(func, tensors), *_template(out, fresh, writes))
         entry.floating = any(t.is_floating_point() or t.is_complex() for t in [*tensors, *fresh])
         tape.entries.append(entry)
         tape.index.setdefault(key, []).append(j)
@@ -426,14 +325,14 @@ class Recorder(compat.TorchDispatchMode):
         for t in writes:
             self._wrote(t, j)
         for t in fresh:
-            st = _storage(t)
+            st = storage(t)
             if st is not None:
                 self._writer[st] = j
         outs = fresh + writes
         entry.n_fresh = len(fresh)
         entry.refs = [weakref.ref(t) for t in outs]
         entry.geometry = [(t.shape, t.stride(), t.storage_offset()) for t in outs]
-        if kind in _KEEPABLE and tensors and self._ask(func, *args, **kwargs):
+        if kind in KEEPABLE and tensors and self._ask(func, *args, **kwargs):
             entry.saved, entry.held = True, outs
         return out
 
@@ -462,7 +361,7 @@ class Recorder(compat.TorchDispatchMode):
         running statistics; the recompute starts from it), or refuse it if it needs a
         gradient."""
         for t in writes:
-            i = self._input_storage.get(_storage(t))
+            i = self._input_storage.get(storage(t))
             if i is None or i in self.tape.written_inputs:
                 continue
             if self._inputs[i].requires_grad:
@@ -476,7 +375,7 @@ class Recorder(compat.TorchDispatchMode):
             self.tape.written_inputs[i] = self._inputs[i].detach().clone()
 
     def _wrote(self, t: torch.Tensor, j: int) -> None:
-        st = _storage(t)
+        st = storage(t)
         if st is None:
             return
         before = self._writer.get(st)
@@ -490,14 +389,14 @@ class Recorder(compat.TorchDispatchMode):
         the policy vetoes the name."""
         from .names import checkpoint_name
 
-        st = _storage(compat.base_of(x))
+        st = storage(compat.base_of(x))
         j = None if st is None else self._writer.get(st)
         if j is None:  # an input, a new tensor or a tensor from outside: nothing to recompute
             return
         entry = self.tape.entries[j]
         if self.tape.policy.vetoes(name):
             entry.unsave()
-        elif entry.kind in _KEEPABLE and not entry.vetoed:
+        elif entry.kind in KEEPABLE and not entry.vetoed:
             if self._ask(checkpoint_name, x, name=name):
                 entry.saved = True
                 if entry.held is None:
@@ -582,7 +481,7 @@ class Replayer(compat.TorchDispatchMode):
         kwargs = kwargs or {}
         if _traced(args, kwargs):
             return func(*args, **kwargs)
-        kind = _kind(func, args, kwargs)
+        kind = call_kind(func, args, kwargs)
         if kind == "factory":
             out = func(*args, **kwargs)
             for t in _fresh(out, []):
@@ -613,8 +512,8 @@ class Replayer(compat.TorchDispatchMode):
             out = func(*args, **kwargs)
             fresh = _fresh(out, writes)
         if j is None:
-            if self._unmatched is None and kind != "view" and func._opname not in _BOOKKEEPING:
-                self._unmatched = _describe_call(func, tensors)
+            if self._unmatched is None and kind != "view" and func._opname not in BOOKKEEPING:
+                self._unmatched = describe_call(func, tensors)
             for t in writes:
                 self._sources.forget(t)
             return out
@@ -663,7 +562,7 @@ class Replayer(compat.TorchDispatchMode):
         for j, entry in enumerate(tape.entries):
             if self._matched[j] or entry.kind == "view" or not entry.floating:
                 continue
-            if entry.op._opname in _BOOKKEEPING:
+            if entry.op._opname in BOOKKEEPING:
                 continue
             raise ValueError(
                 f"ps.checkpoint: the recompute of {tape.name} took another path than its "

@@ -1,0 +1,131 @@
+"""How ``ps.checkpoint``'s tape sees an operator: what kind it is and what it writes.
+
+Read off the operator's schema and tags (``torch._ops.OpOverload``): views, in-place writes,
+random draws, new tensors from shapes alone, collectives and point-to-point communication
+(:mod:`pshard._remat.policies`), plus the few operators that write arguments their schema does
+not mark (BatchNorm's running statistics) and attention kernels whose dropout is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from pshard._core.caches import cached
+from pshard._core.tree import NAMESPACE
+
+from .policies import is_collective, is_p2p
+
+__all__ = [
+    "BOOKKEEPING",
+    "KEEPABLE",
+    "call_kind",
+    "describe_call",
+    "op_kind",
+    "storage",
+    "written",
+]
+
+# Operators autograd and functorch may add or leave out between two runs of the same program.
+BOOKKEEPING = frozenset(
+    {"detach", "alias", "lift_fresh", "is_same_size", "_has_same_storage_numel"}
+)
+# Operators whose output depends on no tensor's values (only shapes, dtypes, constants).
+_FACTORIES = frozenset(
+    {
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
+        "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like",
+        "new_full", "scalar_tensor", "arange", "linspace", "logspace", "eye",
+    }
+)  # fmt: skip
+KEEPABLE = ("compute", "write", "collective")
+# Operators that write arguments their schema does not mark (running statistics in training).
+_UNMARKED_WRITES = {
+    "native_batch_norm": (3, 4),
+    "cudnn_batch_norm": (3, 4),
+    "miopen_batch_norm": (3, 4),
+}
+
+
+@cached("pshard.remat.op_kind", maxsize=4096)
+def op_kind(op: Any) -> str:
+    """How the tape treats ``op``: ``"compute"`` (fresh outputs), ``"view"`` (outputs alias an
+    input), ``"write"`` (writes an argument in place), ``"random"``, ``"factory"`` (a new tensor
+    from shapes and constants), ``"collective"`` (a c10d collective, writes its first
+    argument), ``"p2p"`` (other communication)."""
+    if is_collective(op):
+        return "collective"
+    if is_p2p(op):
+        return "p2p"
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return "random"
+    if op._opname in _FACTORIES:
+        return "factory"
+    if op._opname in _UNMARKED_WRITES and op._overloadname == "default":
+        return "write"
+    schema = op._schema
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "write"
+    if any(r.alias_info is not None for r in schema.returns):
+        return "view"
+    return "compute"
+
+
+@cached("pshard.remat.dropout_arg", maxsize=4096)
+def _dropout_position(op: Any) -> int | None:
+    names = [a.name for a in op._schema.arguments]
+    return names.index("dropout_p") if "dropout_p" in names else None
+
+
+def call_kind(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """:func:`op_kind`, except that an attention kernel without dropout draws nothing."""
+    kind = op_kind(op)
+    if kind == "random":
+        i = _dropout_position(op)
+        if i is not None:
+            p = args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
+            if not p:
+                return "compute"
+    return kind
+
+
+@cached("pshard.remat.written_args", maxsize=4096)
+def _write_positions(op: Any) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of the arguments ``op`` writes in place."""
+    if is_collective(op) or op._opname.startswith("recv"):
+        return ((0, op._schema.arguments[0].name),)
+    if is_p2p(op):
+        return ()
+    if op._opname in _UNMARKED_WRITES and op._overloadname == "default":
+        return tuple((i, op._schema.arguments[i].name) for i in _UNMARKED_WRITES[op._opname])
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(op._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def written(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``op`` writes in place, in order."""
+    out: list[torch.Tensor] = []
+    for i, name in _write_positions(op):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if value is not None:
+            leaves: list[Any] = optree.tree_leaves(value, namespace=NAMESPACE)
+            out.extend(x for x in leaves if isinstance(x, torch.Tensor))
+    return out
+
+
+def storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() if t.numel() else None
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
+        return None
+
+
+def describe_call(op: Any, tensors: Sequence[torch.Tensor]) -> str:
+    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
+    return f"{op} on ({shapes})" if tensors else f"{op}"
