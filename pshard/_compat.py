@@ -8,7 +8,8 @@ Imports torch only; every layer of pshard may import it.
 - functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`innermost`,
   :func:`unwrap_dead`, :func:`outside_transforms`;
 - the autograd engine: :func:`graph_task_id`, :func:`queue_backward_callback`;
-- private kernels and types: :func:`aten_op`, :func:`strided_shard_type`;
+- private kernels and types: :func:`aten_op`, :func:`strided_shard_type`,
+  :func:`dcp_metadata_classes`;
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
   :func:`flattened_group`, :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
@@ -35,6 +36,7 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "constant_source",
+    "dcp_metadata_classes",
     "default_store",
     "fake_tensor_types",
     "flattened_group",
@@ -114,6 +116,27 @@ def flattened_group(mesh: Any) -> Any:
     """The process group of a ``DeviceMesh`` (a slice of several axes) flattened into one axis;
     DeviceMesh caches the flattened mesh on its root, so the group is created once."""
     return mesh._flatten().get_group()
+
+
+def dcp_metadata_classes() -> dict[str, frozenset[str]]:
+    """module -> the names DCP's pickled ``.metadata`` file refers to (its metadata classes,
+    some private), for an unpickler that builds those and nothing else."""
+    return {
+        "torch.distributed.checkpoint.metadata": frozenset(
+            {
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            }
+        ),
+        "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+        "torch.serialization": frozenset({"_get_layout"}),
+    }
 
 
 def default_store() -> Any:

@@ -21,28 +21,16 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from .._compat import dcp_metadata_classes
+
 __all__ = ["DCP_METADATA", "CheckpointReader", "read_dcp_metadata"]
 
 #: The name of DCP's metadata file in a checkpoint directory.
 DCP_METADATA = ".metadata"
 
-_META = "torch.distributed.checkpoint.metadata"
 _ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
     {
-        _META: frozenset(
-            {
-                "Metadata",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "TensorProperties",
-                "MetadataIndex",
-                "StorageMeta",
-                "_MEM_FORMAT_ENCODING",
-            }
-        ),
-        "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-        "torch.serialization": frozenset({"_get_layout"}),
+        **dcp_metadata_classes(),
         "torch": frozenset({"Size"}),
         "pathlib": frozenset(
             {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
