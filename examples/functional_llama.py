@@ -1,0 +1,303 @@
+"""A Hugging Face Llama trained functionally on a 2 x 2 mesh, saved, and resumed on 2 ranks.
+
+    python examples/functional_llama.py                        # 4 gloo ranks, then 2 to resume
+    python examples/functional_llama.py --resume-mesh dp=2,sp=1 --attention ring
+
+A tiny random ``LlamaForCausalLM`` (built from a config: nothing is downloaded; float64) is
+trained on 4 CPU ranks as the mesh ``{"dp": 2, "sp": 2}``. One step is::
+
+    grads, loss = pmap_microbatch(grad_and_value(shard_map(rows_loss, axis_names="dp")))(...)
+    grads = psum(grads, "sp")                   # the blocks: each "sp" rank held its tokens' share
+    state = adamw(state, grads)                 # optree.tree_map over GlobalTensors: on the blocks
+
+    def rows_loss(blocks, rows, count):         # this "dp" rank's blocks and rows
+        with ps.sequence_parallel(model, axis="sp", attention="ulysses"):
+            logits = ps.sharded_call(model, blocks, (), rows, specs=P("dp")).logits
+        return psum(cross_entropy_sum(logits, labels), "dp") / count
+
+- parameters and AdamW moments are ``ps.GlobalTensor``s sharded over ``"dp"`` (``P("dp")``):
+  between steps each rank holds half of every tensor;
+- ``ps.shard_map`` over ``"dp"`` gives each ``"dp"`` rank its blocks and its rows of the batch;
+  ``ps.sharded_call`` (functional FSDP) gathers each decoder layer's weights right before the
+  layer runs and again in the backward, and reduce-scatters their gradients into blocks;
+- ``ps.sequence_parallel`` splits every row's tokens over the ``"sp"`` ranks and plugs Ulysses
+  (or ring) attention into the model;
+- the model's gradient checkpointing is pointed at ``ps.checkpoint``: every decoder layer is
+  recomputed in the backward, under ``torch.func.grad``;
+- ``ps.pmap_microbatch`` accumulates the gradients of ``--microbatches`` microbatches;
+- after ``--save-at`` steps ``ps.save`` writes the state (each rank its blocks) and the run goes
+  on to ``--steps``. The same ranks then load the checkpoint and run the last steps again (the
+  same losses, bit for bit), and fresh ranks on another mesh (``--resume-mesh``) load it into
+  their layout with ``ps.load`` and run them (the same losses to float64 rounding).
+
+The losses are checked against the same model trained in one process with plain PyTorch
+(``model(**batch)``, ``loss.backward()``, ``torch.optim.AdamW``). The script prints them side by
+side and the largest differences, and exits non-zero when one is above its tolerance.
+See docs/functional_llama.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+
+import optree
+import torch
+import torch.nn.functional as F
+
+import pshard as ps
+
+if not hasattr(ps, "save"):  # until pshard/__init__.py re-exports them (docs/checkpoints.md)
+    from pshard._state import load as _load
+    from pshard._state import manifest as _manifest
+    from pshard._state import save as _save
+
+    ps.save, ps.load, ps.load_metadata = _save.save, _load.load, _load.load_metadata
+    ps.SavedTensor = _manifest.SavedTensor
+
+P = ps.P
+VOCAB, SEQ, ROWS = 64, 12, 4
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.01
+Step = Callable[[dict, dict], tuple[dict, float]]
+
+
+# ----------------------------------------------------------------------------- model and data
+def config():  # -> LlamaConfig
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+
+
+def initial_model() -> torch.nn.Module:
+    """The model with its initial weights (random, seeded: the same in every process)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config()).double().train()
+
+
+def skeleton() -> torch.nn.Module:
+    """The model without its weights: ``sharded_call`` runs its code with the gathered weights
+    and reads their global shapes from its parameters, which live on the ``meta`` device (no
+    memory). The rotary embedding's buffer is computed, not learned: built on the CPU."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config())
+    model.model.rotary_emb = type(model.model.rotary_emb)(config())
+    model = model.double().train()
+    # every decoder layer's checkpoint function is ps.checkpoint (torch.utils.checkpoint cannot
+    # run under torch.func): the layer keeps its input and is recomputed in the backward
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ps.checkpoint)
+    return model
+
+
+def batch(step: int) -> dict[str, torch.Tensor]:
+    """``ROWS`` rows of ``SEQ`` random tokens (two batches, seen in turn, so the loss goes
+    down). Even steps: rows with left padding (``attention_mask``); odd steps: packed documents
+    (``position_ids`` restarting at 0). Labels are the tokens (shifted by the loss), -100 on
+    padding and at each document's first token."""
+    g = torch.Generator().manual_seed(step % 2)
+    ids = torch.randint(1, VOCAB, (ROWS, SEQ), generator=g)
+    if step % 2 == 0:
+        mask = torch.ones(ROWS, SEQ, dtype=torch.long)
+        for row, pad in enumerate((0, 3, 0, 5)):
+            mask[row, :pad] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    pos = torch.arange(SEQ).repeat(ROWS, 1)
+    for row, start in enumerate((4, 7, 2, 9)):
+        pos[row, start:] = torch.arange(SEQ - start)
+    return {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill(pos == 0, -100)}
+
+
+def targets(b: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (b["labels"][:, 1:] != -100).sum()
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The next-token cross-entropy summed over the targets, in float64 (the model's own
+    ``loss`` is computed in float32)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+
+
+# ----------------------------------------------------------------------------- AdamW on a tree
+def adamw(state: dict, grads: dict) -> dict:
+    """``torch.optim.AdamW``'s update written with ``optree.tree_map``: on GlobalTensors it
+    maps over the blocks, so the moments are held as the parameters are."""
+    (b1, b2), t = BETAS, state["step"] + 1
+    m = optree.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
+    v = optree.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
+
+    def update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        denom = v.sqrt() / (1 - b2**t) ** 0.5 + EPS
+        return p * (1 - LR * WEIGHT_DECAY) - LR / (1 - b1**t) * m / denom
+
+    return {"params": optree.tree_map(update, state["params"], m, v), "m": m, "v": v, "step": t}
+
+
+# ----------------------------------------------------------------------------- one rank
+def make_step(model: torch.nn.Module, args: argparse.Namespace) -> Step:
+    """One training step, ``(state, batch) -> (next state, loss)``, on the current mesh."""
+
+    def rows_loss(params: dict, rows: dict, count: torch.Tensor) -> torch.Tensor:
+        """Inside the map over "dp": this rank's blocks of the parameters and its rows of the
+        microbatch; ``count``: the targets of the whole batch (every microbatch and row)."""
+        inputs = {k: v for k, v in rows.items() if k != "labels"}
+        with ps.sequence_parallel(model, axis="sp", attention=args.attention, layout=args.layout):
+            # each decoder layer gathers its weights over "dp" right before it runs; the
+            # logits come back whole (each "sp" rank's backward takes its tokens' part)
+            out = ps.sharded_call(model, params, (), {**inputs, "use_cache": False}, specs=P("dp"))
+        return ps.psum(loss_sum(out.logits, rows["labels"]), "dp") / count
+
+    loss = ps.shard_map(
+        rows_loss, in_specs=(P("dp"), P("dp"), None), out_specs=P(), axis_names="dp"
+    )
+    accumulate = ps.pmap_microbatch(
+        torch.func.grad_and_value(loss),
+        num_microbatches=args.microbatches,
+        in_specs=(None, ps.Shard(0), None),
+        out_specs=ps.Partial("sum"),  # each microbatch's part of the batch's token mean
+    )
+
+    def step(state: dict, b: dict) -> tuple[dict, float]:
+        grads, value = accumulate(state["params"], b, targets(b))
+        # each "sp" rank holds its tokens' share of every gradient block: sum them
+        grads = optree.tree_map(lambda g: ps.psum(g, "sp"), grads)
+        return adamw(state, grads), value.item()
+
+    return step
+
+
+def train(step: Step, state: dict, steps: int, save: str | None = None, at: int = -1):
+    losses = []
+    while state["step"] < steps:
+        state, loss = step(state, batch(state["step"]))
+        losses.append(loss)
+        if state["step"] == at:
+            ps.save(save, state)  # every rank writes its blocks
+    return state, losses
+
+
+def first_run(args: argparse.Namespace) -> tuple[list[float], list[float], tuple[int, int]]:
+    """4 ranks as 2 x 2: train, saving after ``--save-at`` steps; then load that checkpoint
+    and run the last steps again."""
+    ps.init_mesh({"dp": 2, "sp": 2})
+    warnings.simplefilter("ignore")  # transformers' notes about configs
+    whole = {k: v.detach() for k, v in initial_model().named_parameters()}
+    params = ps.shard(whole, P("dp"))  # this rank's half of every tensor (owned copies)
+    del whole
+    zeros = optree.tree_map(torch.zeros_like, params)
+    state = {"params": params, "m": zeros, "v": zeros, "step": 0}
+    step = make_step(skeleton(), args)
+    state, losses = train(step, state, args.steps, args.path, args.save_at)
+    held = (
+        sum(p.local.numel() for p in state["params"].values()),
+        sum(p.shape.numel() for p in state["params"].values()),
+    )
+    # resume on the same mesh: the state itself is the target (its layout, its mesh)
+    _, again = train(step, ps.load(args.path, state), args.steps)
+    return losses, again, held
+
+
+def resumed_run(args: argparse.Namespace) -> list[float]:
+    """Fresh ranks on another mesh: load the checkpoint into this mesh's layout, go on."""
+    ps.init_mesh(args.resume_mesh)
+    warnings.simplefilter("ignore")
+    # the checkpoint's tree: a SavedTensor(shape, dtype, spec, mesh) per tensor, plain values
+    saved = ps.load_metadata(args.path)
+    like = optree.tree_map(
+        lambda e: dataclasses.replace(e, spec=P("dp")) if isinstance(e, ps.SavedTensor) else e,
+        saved,
+    )
+    state = ps.load(args.path, like)  # GlobalTensors P("dp") on this mesh, "step" an int
+    _, losses = train(make_step(skeleton(), args), state, args.steps)
+    return losses
+
+
+# ----------------------------------------------------------------------------- one process
+def reference(steps: int) -> list[float]:
+    """The same training in one process with plain PyTorch: the whole batch at once."""
+    model = initial_model()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+    )
+    losses = []
+    for i in range(steps):
+        b = batch(i)
+        inputs = {k: v for k, v in b.items() if k != "labels"}
+        loss = loss_sum(model(**inputs, use_cache=False).logits, b["labels"]) / targets(b)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def mesh_arg(text: str) -> dict[str, int]:
+    sizes = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+    if not set(sizes) <= {"dp", "sp"}:
+        raise argparse.ArgumentTypeError(f"axes are dp and sp, got {text!r}")
+    return {"dp": sizes.get("dp", 1), "sp": sizes.get("sp", 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-at", type=int, default=3, help="save after this many steps")
+    parser.add_argument("--microbatches", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--attention", choices=("ulysses", "ring"), default="ulysses")
+    parser.add_argument("--layout", choices=("contiguous", "zigzag", "stripe"), default="zigzag")
+    parser.add_argument(
+        "--resume-mesh", type=mesh_arg, default="dp=1,sp=2", help="e.g. dp=1,sp=2 or dp=2,sp=1"
+    )
+    args = parser.parse_args()
+    if not 0 < args.save_at < args.steps:
+        parser.error("--save-at must be between 0 and --steps")
+    resume = args.resume_mesh
+    with tempfile.TemporaryDirectory() as tmp:
+        args.path = os.path.join(tmp, f"step-{args.save_at}")
+        (losses, again, (held, whole)), *_ = ps.spawn(first_run, args, nprocs=4)
+        resumed = ps.spawn(resumed_run, args, nprocs=resume["dp"] * resume["sp"])[0]
+    warnings.simplefilter("ignore")
+    plain = reference(args.steps)
+
+    where = ",".join(f"{k}={v}" for k, v in resume.items())
+    columns = ("2 x 2 mesh", "one process", "resumed on 2 x 2", f"resumed on {where}")
+    print(f"{'step':>4}" + "".join(f"{c:>21}" for c in columns))
+    for i in range(args.steps):
+        j = i - args.save_at
+        row = [losses[i], plain[i], *((again[j], resumed[j]) if j >= 0 else ())]
+        print(f"{i + 1:>4}" + "".join(f"{x:21.12f}" for x in row))
+    print(f"parameters held per rank between steps: {held} of {whole} (each AdamW moment too)")
+    after = losses[args.save_at :]
+    checks = [  # what, max difference, tolerance
+        ("2 x 2 mesh against one process", plain, losses, 1e-10),
+        ("resumed on the same mesh against the run", after, again, 0.0),
+        (f"resumed on {where} against the run", after, resumed, 1e-10),
+    ]
+    failed = []
+    for what, want, got, tol in checks:
+        diff = max(abs(a - b) for a, b in zip(want, got, strict=True))
+        print(f"max difference, {what}: {diff:.2e} (tolerance {tol:g})")
+        if not diff <= tol:
+            failed.append(what)
+    if failed:
+        raise SystemExit(f"the losses differ: {'; '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
