@@ -11,18 +11,14 @@ policy (``nothing_saveable``, ``dots_saveable``, ``save_only_these_names('hidden
 feed-forward's hidden activation, ``everything_saveable``, ``offload(dots_saveable)``); and
 ``torch.utils.checkpoint`` (non-reentrant) on every layer under ``.backward()``, the reference.
 
-Each variant runs in a fresh process: a warm-up step, then the memory step, then ``--rounds``
-timed steps (the median is reported). Memory is measured two ways:
-
-- ``peak``: on CUDA, ``torch.cuda.max_memory_allocated`` during the step minus what was
-  allocated before it (the caching allocator's count of live tensor bytes); on the CPU, the
-  process's resident set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``)
-  during the step minus the resident size before it, with ``MALLOC_MMAP_THRESHOLD_=65536``
-  so that large tensors are mapped and returned to the system when freed (the resident size
-  then follows what is alive);
-- ``act``: the peak of the bytes of live tensors created during the step, counted by a
-  ``TorchDispatchMode`` below autograd and ``torch.func`` in a separate step (exact, slower;
-  skipped with ``--no-count``).
+Each variant runs in a fresh process: a warm-up step, the memory step, then ``--rounds``
+timed rounds. Memory (``peak``): on the CPU, the process's resident set high-water mark
+(``VmHWM``, reset through ``/proc/self/clear_refs`` just before the step) minus the resident
+size before the step, with ``MALLOC_MMAP_THRESHOLD_=65536`` so that large tensors are mapped
+and returned to the system when freed (the resident size then follows what is alive); on
+CUDA, ``torch.cuda.max_memory_allocated`` during the step minus what was allocated before it
+(the caching allocator's count of live tensor bytes). Both include the gradients the step
+creates, not the parameters and data that exist before it.
 
 Time: each variant's step, the step without remat under ``torch.func.grad`` and a forward
 without grad are timed round by round, interleaved, in the variant's process: ``step s`` is the
@@ -34,6 +30,8 @@ Targets: ``nothing_saveable``'s peak at most ``torch.utils.checkpoint``'s, and o
 most half of no remat's.
 
     python benchmarks/remat.py [--model mlp|decoder|all] [--device cpu|cuda] [--rounds 5]
+
+The CPU runs use 2 threads (``REMAT_THREADS``).
 """
 
 from __future__ import annotations
@@ -119,37 +117,6 @@ def _models(name: str, sizes: tuple[int, ...]) -> tuple[Any, Any]:
     return [layer() for _ in range(layers)], shape
 
 
-class _LiveBytes:
-    """The peak of the bytes of live storages created by operators (a TorchDispatchMode)."""
-
-    def __new__(cls) -> Any:
-        import optree
-        import torch
-        from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Mode(TorchDispatchMode):
-            def __init__(self) -> None:
-                super().__init__()
-                self.live: dict[int, tuple[Any, int]] = {}
-                self.peak = self.now = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in optree.tree_leaves(out, none_is_leaf=True):
-                    if isinstance(t, torch.Tensor) and t.numel() and not t._is_zerotensor():
-                        st = t.untyped_storage()
-                        if st.data_ptr() not in self.live:
-                            self.live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
-                            self.now += st.nbytes()
-                self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-                self.now = sum(n for _, n in self.live.values())
-                self.peak = max(self.peak, self.now)
-                return out
-
-        return Mode()
-
-
 def _rss_kib() -> tuple[int, int]:
     """(current resident KiB, high-water mark KiB) of this process."""
     fields = {}
@@ -169,7 +136,7 @@ def _reset_hwm() -> bool:
         return False
 
 
-def child(model_name: str, variant: str, device: str, rounds: int, count: bool) -> dict:
+def child(model_name: str, variant: str, device: str, rounds: int) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
     import torch.utils.checkpoint as tuc
@@ -252,12 +219,6 @@ def child(model_name: str, variant: str, device: str, rounds: int, count: bool) 
         else:
             out["peak_mib"] = float("nan")
     reset()
-    if count:
-        mode = _LiveBytes()
-        with mode:
-            step()
-        reset()
-        out["act_mib"] = mode.peak / 2**20
     # time: this variant's step, no remat's step under torch.func.grad and a forward without
     # grad, interleaved round by round (a loaded machine slows all three alike)
     with torch.no_grad():
@@ -282,32 +243,30 @@ def child(model_name: str, variant: str, device: str, rounds: int, count: bool) 
 # --- the driver ---------------------------------------------------------------------------------
 
 
-def run(model: str, variant: str, device: str, rounds: int, count: bool) -> dict:
+def run(model: str, variant: str, device: str, rounds: int) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     args = [sys.executable, __file__, "--child", model, variant, device, str(rounds)]
-    out = subprocess.run(
-        args + ([] if count else ["--no-count"]), capture_output=True, text=True, env=env
-    )
+    out = subprocess.run(args, capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"{model} / {variant} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def table(model: str, device: str, rounds: int, count: bool) -> None:
+def table(model: str, device: str, rounds: int) -> None:
     sizes = SIZES[model][device]
     print(f"\n## {model} on {device}: layers, batch, seq, width, heads = {sizes}\n")
-    results = {v: run(model, v, device, rounds, count) for v in VARIANTS}
+    results = {v: run(model, v, device, rounds) for v in VARIANTS}
     base = results["plain grad"]["peak_mib"]
     backward = results["plain backward"]["peak_mib"]
     ref = results["torch.utils.checkpoint backward"]["peak_mib"]
     print(
-        "| variant | peak MiB | act MiB | peak / plain grad | peak / plain backward | "
+        "| variant | peak MiB | peak / plain grad | peak / plain backward | "
         "peak / torch ckpt | step s | step / plain grad | extra fwd |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for v, r in results.items():
         print(
-            f"| {v} | {r['peak_mib']:.1f} | {r.get('act_mib', float('nan')):.1f} | "
+            f"| {v} | {r['peak_mib']:.1f} | "
             f"{r['peak_mib'] / base:.2f} | {r['peak_mib'] / backward:.2f} | "
             f"{r['peak_mib'] / ref:.2f} | {r['step_s']:.3f} | {r['ratio']:.2f} | "
             f"{r['extra_fwd']:+.2f} |"
@@ -319,15 +278,14 @@ def main() -> None:
     parser.add_argument("--model", default="all", choices=["mlp", "decoder", "all"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--no-count", action="store_true", help="skip the live-tensor count")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         model, variant, device, rounds = args.child
-        print(json.dumps(child(model, variant, device, int(rounds), not args.no_count)))
+        print(json.dumps(child(model, variant, device, int(rounds))))
         return
     for model in ("mlp", "decoder") if args.model == "all" else (args.model,):
-        table(model, args.device, args.rounds, not args.no_count)
+        table(model, args.device, args.rounds)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ class Call:
         outs = _Checkpoint.apply(self, *inputs)
         if self.tape is not None:  # every level has handed what the forward kept to autograd
             self.tape.kept = []
+        self.lifted.tensors = []
         it = iter(outs)
         leaves = [next(it) if x is None else x for x in self.out_leaves]
         return tree_unflatten(self.out_treedef, leaves)
