@@ -51,14 +51,6 @@ import torch.nn.functional as F
 
 import pshard as ps
 
-if not hasattr(ps, "save"):  # until pshard/__init__.py re-exports them (docs/checkpoints.md)
-    from pshard._state import load as _load
-    from pshard._state import manifest as _manifest
-    from pshard._state import save as _save
-
-    ps.save, ps.load, ps.load_metadata = _save.save, _load.load, _load.load_metadata
-    ps.SavedTensor = _manifest.SavedTensor
-
 P = ps.P
 VOCAB, SEQ, ROWS = 64, 12, 4
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.01
@@ -182,13 +174,16 @@ def make_step(model: torch.nn.Module, args: argparse.Namespace) -> Step:
     return step
 
 
-def train(step: Step, state: dict, steps: int, save: str | None = None, at: int = -1):
+def train(
+    step: Step, state: dict, steps: int, save: tuple[str, int] | None = None
+) -> tuple[dict, list[float]]:
+    """Run the steps from ``state["step"]`` to ``steps``; ``save``: (path, after which step)."""
     losses = []
     while state["step"] < steps:
         state, loss = step(state, batch(state["step"]))
         losses.append(loss)
-        if state["step"] == at:
-            ps.save(save, state)  # every rank writes its blocks
+        if save is not None and state["step"] == save[1]:
+            ps.save(save[0], state)  # every rank writes its blocks
     return state, losses
 
 
@@ -203,7 +198,7 @@ def first_run(args: argparse.Namespace) -> tuple[list[float], list[float], tuple
     zeros = optree.tree_map(torch.zeros_like, params)
     state = {"params": params, "m": zeros, "v": zeros, "step": 0}
     step = make_step(skeleton(), args)
-    state, losses = train(step, state, args.steps, args.path, args.save_at)
+    state, losses = train(step, state, args.steps, save=(args.path, args.save_at))
     held = (
         sum(p.local.numel() for p in state["params"].values()),
         sum(p.shape.numel() for p in state["params"].values()),
