@@ -625,6 +625,19 @@ def test_closure_over_constants_is_exact() -> None:
         close(TRANSFORMS[name](f), TRANSFORMS[name](g))
 
 
+def test_integer_tensors_made_inside_a_transform_may_be_read() -> None:
+    """Integer tensors have no derivative to lose: a checkpointed function may read one made
+    inside the transform (segment ids built by sequence_parallel's hooks, say)."""
+
+    def f(w: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+        seg = torch.arange(3)  # made under grad / jvp, read without being an argument
+        body = lambda w, x: torch.tanh(x @ w) * (seg + 1)  # noqa: E731
+        return (checkpoint(body) if checkpointed else body)(w, X).sum()
+
+    close(grad(f)(W, True), grad(f)(W, False))
+    close(jvp(lambda w: f(w, True), (W,), (W,)), jvp(lambda w: f(w, False), (W,), (W,)))
+
+
 def test_another_path_in_the_recompute_is_an_error() -> None:
     calls = [0]
 

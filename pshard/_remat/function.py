@@ -56,7 +56,12 @@ class _ClosureGuard(TorchFunctionMode):
         levels = None
         leaves: list[Any] = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)  # type: ignore[arg-type]
         for x in leaves:
-            if isinstance(x, torch.Tensor) and compat.live_wrapper(x) and not compat.is_batched(x):
+            if (
+                isinstance(x, torch.Tensor)
+                and (x.is_floating_point() or x.is_complex())  # integers have no derivative
+                and compat.live_wrapper(x)
+                and not compat.is_batched(x)
+            ):
                 if levels is None:
                     levels = {level for _, level in compat.transforms()}
                 if compat.level_of(x) not in levels:
