@@ -62,7 +62,7 @@ VARIANTS = (
 
 SIZES = {
     # model: (layers, batch, seq, width, heads) on the CPU / on CUDA
-    "mlp": {"cpu": (8, 1024, 1, 512, 0), "cuda": (8, 16384, 1, 2048, 0)},
+    "mlp": {"cpu": (8, 4096, 1, 256, 0), "cuda": (8, 16384, 1, 2048, 0)},
     "decoder": {"cpu": (4, 4, 256, 256, 4), "cuda": (8, 8, 2048, 1024, 16)},
 }
 

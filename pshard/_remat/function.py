@@ -109,6 +109,7 @@ class Call:
         self.out_leaves: list[Any] = []
         self.out_meta: list[tuple[torch.Size, torch.dtype]] = []
         self.float_outputs: list[int] = []
+        self.returned: list[torch.Tensor] = []
 
     def body(self, xs: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.leaves)
@@ -124,7 +125,7 @@ class Call:
         outs = _Checkpoint.apply(self, *inputs)
         if self.tape is not None:  # every level has handed what the forward kept to autograd
             self.tape.kept = []
-        self.lifted.tensors = []
+        self.lifted.tensors, self.returned = [], []
         it = iter(outs)
         leaves = [next(it) if x is None else x for x in self.out_leaves]
         return tree_unflatten(self.out_treedef, leaves)
@@ -163,6 +164,7 @@ class Call:
         self.out_meta = [(t.shape, t.dtype) for t in outs]
         self.float_outputs = [k for k, t in enumerate(outs) if _float(t)]
         self.tape = tape
+        self.returned = list(returned)
         return returned
 
     def _body_forward(self, xs: Sequence[torch.Tensor]) -> Any:
@@ -402,11 +404,19 @@ class _Held:
     autograd: ``torch.func.grad`` retains its whole graph until it returns (it differentiates
     with ``create_graph=True``), so what autograd saved would stay alive through the backward;
     held here, each checkpoint lets go of its inputs once its backward has run, as
-    ``.backward()`` does. In-place changes after the forward are checked by version."""
+    ``.backward()`` does. In-place changes after the forward are checked by version.
 
-    def __init__(self, tensors: Sequence[torch.Tensor | None]) -> None:
+    It also holds the outputs the forward returned (plain tensors under the transform's
+    wrappers, so no reference cycle through the graph): the next checkpoint lets go of them as
+    its inputs, and this one's recompute takes them instead of computing them again
+    (:attr:`pshard._remat.tape.Tape.returned`), then lets go of them too."""
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor | None], returned: Sequence[torch.Tensor]
+    ) -> None:
         self.tensors: list[torch.Tensor | None] | None = list(tensors)
         self.versions = [None if t is None else _version(t) for t in tensors]
+        self.returned = list(returned)
 
     def get(self, name: str) -> list[torch.Tensor | None]:
         if self.tensors is None:
@@ -424,7 +434,7 @@ class _Held:
         return self.tensors
 
     def release(self) -> None:
-        self.tensors = None
+        self.tensors, self.returned = None, []
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -451,7 +461,7 @@ class _Checkpoint(torch.autograd.Function):
         ctx.call = call
         top = compat.top_transform()
         if top is not None and top[0] != "vmap" and "vmap" not in dict(compat.transforms()):
-            ctx.held = _Held(saved)  # a grad or jvp level: see _Held
+            ctx.held = _Held(saved, call.returned)  # a grad or jvp level: see _Held
         else:  # plain autograd frees what it saved after the backward; vmap must see it
             ctx.held = None
             ctx.save_for_backward(*saved)

@@ -21,7 +21,9 @@ from .policies import is_collective, is_p2p
 
 __all__ = [
     "BOOKKEEPING",
+    "INPUT_FREE",
     "KEEPABLE",
+    "OUTPUT_FREE",
     "call_kind",
     "describe_call",
     "op_kind",
@@ -42,6 +44,16 @@ _FACTORIES = frozenset(
     }
 )  # fmt: skip
 KEEPABLE = ("compute", "write", "collective")
+# Operators whose derivative reads none of their inputs' values (sums, differences, reshapes),
+# and operators whose derivative does not read their own output: a value only such consumers
+# read, computed by such an operator, is not needed by a recompute that replays its consumers.
+INPUT_FREE = frozenset({"add", "sub", "neg", "clone", "_unsafe_view"})
+OUTPUT_FREE = frozenset(
+    {
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "convolution",
+        "add", "sub", "neg", "mul", "div", "gelu", "silu", "clone", "_unsafe_view",
+    }
+)  # fmt: skip
 # Operators that write arguments their schema does not mark (running statistics in training).
 _UNMARKED_WRITES = {
     "native_batch_norm": (3, 4),

@@ -48,7 +48,16 @@ import torch
 from pshard._core.tree import NAMESPACE
 
 from . import compat
-from .ops import BOOKKEEPING, KEEPABLE, call_kind, describe_call, storage, written
+from .ops import (
+    BOOKKEEPING,
+    INPUT_FREE,
+    KEEPABLE,
+    OUTPUT_FREE,
+    call_kind,
+    describe_call,
+    storage,
+    written,
+)
 from .policies import Policy
 from .rng import Rewind, RngStates, capture
 
@@ -84,6 +93,10 @@ class Entry:
     devices: list[torch.device] = dataclasses.field(default_factory=list)
     n_fresh: int = 0
     floating: bool = True
+    inputs: list[Hashable | None] = dataclasses.field(default_factory=list)
+    fresh_meta: list[tuple[torch.Size, torch.dtype, torch.device]] = dataclasses.field(
+        default_factory=list
+    )
 
     def unsave(self) -> None:
         self.saved, self.vetoed, self.held, self.named = False, True, None, None
@@ -311,6 +324,8 @@ class Recorder(compat.TorchDispatchMode):
         fresh: list[torch.Tensor] = []
         entry = Entry(func, kind, describe_call(func, tensors), *_template(out, fresh, writes))
         entry.floating = any(t.is_floating_point() or t.is_complex() for t in [*tensors, *fresh])
+        entry.inputs = [self._sources.get(t) for t in tensors]
+        entry.fresh_meta = [(t.shape, t.dtype, t.device) for t in fresh]
         tape.entries.append(entry)
         tape.index.setdefault(key, []).append(j)
         for t in tensors:
@@ -447,6 +462,44 @@ def _alive(slot: tuple[weakref.ref[torch.Tensor], int] | None) -> torch.Tensor |
 # --- the recompute --------------------------------------------------------------------------------
 
 
+def _unread(tape: Tape, returned: set[int]) -> set[int]:
+    """The entries the recompute need not run: each output is read only by operators the
+    recompute replays and whose derivative does not read it (the last matrix product of a
+    residual layer, whose sum with the input is the checkpoint's output, still alive), their
+    own derivative does not read their output, and none is an output of the function. What
+    autograd keeps for their derivatives (their inputs) is computed as usual."""
+    consumers: dict[int, list[int]] = {}
+    for c, entry in enumerate(tape.entries):
+        for src in entry.inputs:
+            if isinstance(src, tuple) and src[0] == "o":
+                consumers.setdefault(src[1], []).append(c)
+    outputs = {src[1] for src in tape.outputs if isinstance(src, tuple) and src[0] == "o"}
+    unread: set[int] = set()
+    for i in range(len(tape.entries) - 1, -1, -1):
+        entry = tape.entries[i]
+        if i in returned or i in outputs or entry.saved or entry.kind not in ("compute", "view"):
+            continue
+        if entry.op._opname not in OUTPUT_FREE and entry.kind != "view" or not entry.floating:
+            continue
+        readers = consumers.get(i)
+        if readers and all(
+            (c in returned or c in unread)
+            and (tape.entries[c].op._opname in INPUT_FREE or tape.entries[c].kind == "view")
+            for c in readers
+        ):
+            unread.add(i)
+    return unread
+
+
+def _stand_ins(entry: Entry) -> list[torch.Tensor]:
+    """Outputs for an entry the recompute does not run: a NaN broadcast to each output's shape
+    (no memory; a value nothing reads, and NaN if something ever did)."""
+    return [
+        torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+        for shape, dtype, device in entry.fresh_meta
+    ]
+
+
 class Replayer(compat.TorchDispatchMode):
     """Replay ``tape`` in a recompute whose inputs are ``inputs``, with the values ``kept``
     (:attr:`Tape.kept`, as autograd held them) (see the module docs). ``replayed``: how many
@@ -474,6 +527,11 @@ class Replayer(compat.TorchDispatchMode):
             alive = [_alive(slots.get(k)) for k in range(n)]
             if all(t is not None for t in alive):
                 self._returned[j] = alive  # type: ignore[assignment]
+        # (not under forward-mode AD, which writes the tangents of what the stand-ins replace)
+        forward_mode = compat.forward_ad_active() or any(
+            kind == "jvp" for kind, _ in compat.transforms()
+        )
+        self._unread = set() if forward_mode else _unread(tape, set(self._returned))
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -508,6 +566,9 @@ class Replayer(compat.TorchDispatchMode):
         if entry is not None and not again and (entry.saved or j in self._returned):
             out, fresh = self._replay(entry, writes, self._returned.get(j))  # type: ignore[arg-type]
             self.replayed += 1
+        elif entry is not None and not again and j in self._unread:
+            out, fresh = self._replay(entry, writes, _stand_ins(entry))
+            self.replayed += 1
         else:
             out = func(*args, **kwargs)
             fresh = _fresh(out, writes)
@@ -523,7 +584,7 @@ class Replayer(compat.TorchDispatchMode):
     def _replay(
         self, entry: Entry, writes: list[torch.Tensor], returned: list[torch.Tensor] | None
     ) -> tuple[Any, list[torch.Tensor]]:
-        if returned is not None and not entry.saved:
+        if returned is not None and not entry.saved:  # alive outputs, or stand-ins
             fresh = [t.detach() for t in returned]
         else:  # fresh aliases (autograd may set a history on them); written tensors get copies
             n = entry.n_fresh
