@@ -328,10 +328,10 @@ def test_dots_saveable_keeps_only_the_products() -> None:
 
 
 def test_offload_keeps_what_the_policy_keeps_in_cpu_memory() -> None:
-    from pshard._remat import tape as tape_module
+    from pshard._remat import replay as replay_module
 
     seen: list[list[torch.Tensor]] = []
-    original = tape_module.Replayer.__init__
+    original = replay_module.Replayer.__init__
 
     def spy(self, tape, inputs, kept):  # what the recompute is handed
         seen.append(list(kept))
@@ -341,7 +341,7 @@ def test_offload_keeps_what_the_policy_keeps_in_cpu_memory() -> None:
     w, x = W.to(device), X.to(device)
     f = checkpoint(body, policy=cp.offload(cp.dots_saveable))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tape_module.Replayer, "__init__", spy)
+        mp.setattr(replay_module.Replayer, "__init__", spy)
         got = grad(_loss(f), (0, 1))(w, x)
     close([g.cpu() for g in got], [g.cpu() for g in grad(_loss(body), (0, 1))(w, x)])
     assert len(seen) == 1 and len(seen[0]) == 2  # x @ w and sin(g) @ w.t()

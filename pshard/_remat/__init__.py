@@ -2,10 +2,11 @@
 and ``ps.checkpoint_policies`` (JAX's ``jax.checkpoint`` and its policies).
 
 Modules, bottom up: ``compat`` (the private torch APIs this room needs, in one place), ``rng``
-(generator states), ``policies`` (what a policy is, the built-in ones, operator classes),
-``tape`` (the dispatch-level record of a forward and its replay in the recompute), ``names``
-(``checkpoint_name``), ``lift`` (the parameters of modules a function uses, as its arguments)
-and ``checkpoint`` (the transform and its ``torch.autograd.Function``).
+(generator states), ``names`` (``checkpoint_name``), ``policies`` (what a policy is, the
+built-in ones, operator classes), ``ops`` (what kind of operator the tape sees), ``tape`` (the
+dispatch-level record of a forward), ``replay`` (its replay in the recompute), ``lift`` (the
+parameters of modules a function uses, as its arguments), ``function`` (the
+``torch.autograd.Function`` and the call it carries) and ``checkpoint`` (the transform).
 
 Imports torch, :mod:`pshard._core` and nothing from the layers above it; the layers below
 never import it.

@@ -31,7 +31,8 @@ from . import compat
 from .lift import Lifted
 from .names import NAMER
 from .policies import Policy
-from .tape import Recorder, Replayer, Tape
+from .replay import Replayer
+from .tape import Recorder, Tape
 
 __all__ = ["Call"]
 

@@ -1,38 +1,31 @@
-"""The forward of a checkpoint, recorded below autograd and ``torch.func``, and its replay.
+"""The forward of a checkpoint, recorded below autograd and ``torch.func``.
 
 While the checkpointed function runs its forward, :class:`Recorder` (a ``TorchDispatchMode``,
 so it sees the operators that really run, under every transform) writes one :class:`Entry`
 per operator into a :class:`Tape`: the operator, where each tensor argument came from (an
 input of the checkpoint, the output of an earlier entry, a new tensor, a tensor from outside),
-and the outputs the policy keeps. In the recompute, :class:`Replayer` identifies each operator
-by the same description: a kept entry returns its kept outputs instead of running (no FLOPs;
-for a collective, no communication), everything else runs. Autograd and ``torch.func`` sit
-above both modes, so a replayed output gets exactly the derivatives (backward, tangents,
+and the outputs the policy keeps. In the recompute, :mod:`pshard._remat.replay` identifies each
+operator by the same description: a kept entry returns its kept outputs instead of running (no
+FLOPs; for a collective, no communication), everything else runs. Autograd and ``torch.func``
+sit above both modes, so a replayed output gets exactly the derivatives (backward, tangents,
 batching) it would get if it had been computed again.
 
-Identification is by content, not position: the key of a call is ``(operator, arguments)``
-with tensors replaced by their source, so operations that only the recompute runs (the
-tangent computations of an outer ``jvp``, autograd's bookkeeping) never take a kept value,
-and a kept value is returned only where the recompute computes the same thing from the same
-sources. Calls with the same key are matched in order. New tensors (``empty``, ``zeros_like``,
-...) are known by their shape and dtype alone, since ``torch.func`` may make them with another
-factory than the forward did; small constants (``torch.tensor([...])``) by their value; integer
-and boolean tensors (positions, indices, masks) by their shape and dtype alone, since the
-recompute may take them from a cache where the forward computed them (``shard_map_seq``'s
-positions), so calls that differ only in them are told apart by their order.
+Identification is by content, not position: the key of a call (:func:`key_of`) is
+``(operator, arguments)`` with tensors replaced by their source, so operations that only the
+recompute runs (the tangent computations of an outer ``jvp``, autograd's bookkeeping) never
+take a kept value, and a kept value is returned only where the recompute computes the same
+thing from the same sources. Calls with the same key are matched in order. New tensors
+(``empty``, ``zeros_like``, ...) are known by their shape and dtype alone, since ``torch.func``
+may make them with another factory than the forward did; small constants
+(``torch.tensor([...])``) by their value; integer and boolean tensors (positions, indices,
+masks) by their shape and dtype alone, since the recompute may take them from a cache where
+the forward computed them (``shard_map_seq``'s positions), so calls that differ only in them
+are told apart by their order. Random draws are known by their place among the draws, and
+never kept: the recompute draws the same numbers again from the generator states the forward
+had at its first draw (:mod:`pshard._remat.rng`).
 
-The recompute must run the same program: at its end every operation of the forward that
-computes with floating-point tensors has been matched and the outputs come from the same
-entries, or :class:`Replayer` raises (a
-Python branch on a value that changed between the forward and the backward, an operation on
-a tensor from outside that was modified in place). Under ``vmap`` the batching rules may lay
-the same program out differently in the two runs, so there only the outputs' shapes are
-checked (by the caller).
-
-Random operations are never kept: the recompute draws the same numbers again from the
-generator states the forward had at its first draw (:mod:`pshard._remat.rng`). An output of
-the checkpoint that is still alive, unchanged, when the recompute reaches the operation that
-computed it is taken as it is (:attr:`Tape.returned`).
+Internal interface (for :mod:`pshard._remat.replay`): :class:`Sources`, :func:`key_of`,
+:func:`new_source`, :func:`traced`, :func:`fresh_outputs`, :func:`bind_outputs`.
 """
 
 from __future__ import annotations
@@ -49,19 +42,26 @@ from pshard._core.tree import NAMESPACE
 
 from . import compat
 from .ops import (
-    BOOKKEEPING,
-    INPUT_FREE,
     KEEPABLE,
-    OUTPUT_FREE,
     call_kind,
     describe_call,
     storage,
     written,
 )
 from .policies import Policy
-from .rng import Rewind, RngStates, capture
+from .rng import RngStates, capture
 
-__all__ = ["Entry", "Recorder", "Replayer", "Tape"]
+__all__ = [
+    "Entry",
+    "Recorder",
+    "Sources",
+    "Tape",
+    "bind_outputs",
+    "fresh_outputs",
+    "key_of",
+    "new_source",
+    "traced",
+]
 
 _SIMPLE = (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout)
 _MEMORY_FORMAT = type(torch.contiguous_format)
@@ -122,9 +122,10 @@ class Tape:
     """The record of one forward (see the module docs).
 
     ``kept``: the values saved for the recompute, which the checkpoint hands to autograd to
-    hold (so they are freed when autograd frees what it saved) and gives back to
-    :class:`Replayer`. ``returned``: for the entries that computed the checkpoint's outputs,
-    those outputs as the checkpoint returned them (held weakly, with their version).
+    hold (so they are freed when autograd frees what it saved) and gives back to the replay.
+    ``returned``: for the entries that computed the checkpoint's outputs, those outputs as the
+    checkpoint returned them (held weakly, with their version): while they live unchanged, the
+    recompute takes them instead of computing them again.
     ``written_inputs``: the values of inputs the forward wrote in place, from before it did.
     ``error``: a policy's error, raised once the forward is done (raised inside an operator,
     Python may turn a ``TypeError`` into another one).
@@ -146,7 +147,7 @@ class Tape:
     error: BaseException | None = None
 
 
-class _Sources:
+class Sources:
     """Where each tensor seen in a run came from. Held weakly (a tensor that dies takes its
     entry with it; its ``id`` may then name another tensor, which the check of the reference
     tells apart), so the run keeps alive only what autograd keeps."""
@@ -187,11 +188,11 @@ def _outside(t: torch.Tensor) -> Hashable:
     return ("x", id(t), version)
 
 
-def _new(t: torch.Tensor) -> Hashable:
+def new_source(t: torch.Tensor) -> Hashable:
     return ("new", t.shape, t.dtype, t.device.type)
 
 
-def _traced(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def traced(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether this call runs on fake tensors (a tracer inside the function, such as
     ``pmap_microbatch``'s batch-dim analysis): not part of the program, passed through."""
     if compat.fake_mode_active():
@@ -200,8 +201,8 @@ def _traced(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and compat.is_fake(x) for x in leaves)
 
 
-def _key(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sources: _Sources, extra: Any
+def key_of(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sources: Sources, extra: Any
 ) -> tuple[Hashable, list[torch.Tensor]]:
     leaves: list[Any]
     leaves, spec = optree.tree_flatten(
@@ -249,13 +250,13 @@ def _template(
     return spec, tmpl
 
 
-def _fresh(out: Any, writes: list[torch.Tensor]) -> list[torch.Tensor]:
+def fresh_outputs(out: Any, writes: list[torch.Tensor]) -> list[torch.Tensor]:
     leaves = optree.tree_leaves(out, none_is_leaf=True, namespace=NAMESPACE)
     return [x for x in leaves if isinstance(x, torch.Tensor) and not any(x is w for w in writes)]
 
 
-def _bind(
-    sources: _Sources, j: int, kind: str, out: Any, fresh: list[torch.Tensor], writes: list[Any]
+def bind_outputs(
+    sources: Sources, j: int, kind: str, out: Any, fresh: list[torch.Tensor], writes: list[Any]
 ) -> None:
     """The sources of entry ``j``'s outputs; a random draw's are its place among the draws and
     the position of each tensor in what it returns (``bernoulli_`` into a buffer in one run,
@@ -289,7 +290,7 @@ class Recorder(compat.TorchDispatchMode):
     def __init__(self, tape: Tape, inputs: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.tape = tape
-        self._sources = _Sources(inputs)
+        self._sources = Sources(inputs)
         self._inputs = list(inputs)
         self._input_storage = {storage(t): i for i, t in enumerate(inputs)}
         self._input_storage.pop(None, None)
@@ -300,16 +301,16 @@ class Recorder(compat.TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if _traced(args, kwargs):
+        if traced(args, kwargs):
             return func(*args, **kwargs)
         tape = self.tape
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
             out = func(*args, **kwargs)
-            for t in _fresh(out, []):
-                self._sources.bind(t, _new(t))
+            for t in fresh_outputs(out, []):
+                self._sources.bind(t, new_source(t))
             return out
-        key, tensors = _key(func, args, kwargs, self._sources, None)
+        key, tensors = key_of(func, args, kwargs, self._sources, None)
         if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
             if tape.rng is None:
                 tape.rng = capture()
@@ -334,7 +335,7 @@ class Recorder(compat.TorchDispatchMode):
                 self._sources.bind(t, src)
                 if src[0] == "x":  # type: ignore[index]
                     tape.externals.append(t)
-        _bind(self._sources, j, kind, out, fresh, writes)
+        bind_outputs(self._sources, j, kind, out, fresh, writes)
         if kind == "view":
             return out
         for t in writes:
@@ -439,7 +440,7 @@ class Recorder(compat.TorchDispatchMode):
                 tape.kept += [_offload(t) for t in kept] if tape.policy.offload else kept
             entry.saved = kept is not None
             entry.refs, entry.held, entry.named = [], None, None
-        self._sources = _Sources(())
+        self._sources = Sources(())
         self._writer.clear()
         self._inputs = []
         self._input_storage.clear()
@@ -450,198 +451,3 @@ def _offload(t: torch.Tensor) -> torch.Tensor:
         return t
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     return host.copy_(t, non_blocking=True)
-
-
-def _alive(slot: tuple[weakref.ref[torch.Tensor], int] | None) -> torch.Tensor | None:
-    if slot is None:
-        return None
-    t = slot[0]()
-    return t if t is not None and t._version == slot[1] else None
-
-
-# --- the recompute --------------------------------------------------------------------------------
-
-
-def _unread(tape: Tape, returned: set[int]) -> set[int]:
-    """The entries the recompute need not run: each output is read only by operators the
-    recompute replays and whose derivative does not read it (the last matrix product of a
-    residual layer, whose sum with the input is the checkpoint's output, still alive), their
-    own derivative does not read their output, and none is an output of the function. What
-    autograd keeps for their derivatives (their inputs) is computed as usual."""
-    consumers: dict[int, list[int]] = {}
-    for c, entry in enumerate(tape.entries):
-        for src in entry.inputs:
-            if isinstance(src, tuple) and src[0] == "o":
-                consumers.setdefault(src[1], []).append(c)
-    outputs = {src[1] for src in tape.outputs if isinstance(src, tuple) and src[0] == "o"}
-    unread: set[int] = set()
-    for i in range(len(tape.entries) - 1, -1, -1):
-        entry = tape.entries[i]
-        if i in returned or i in outputs or entry.saved or entry.kind not in ("compute", "view"):
-            continue
-        if entry.op._opname not in OUTPUT_FREE and entry.kind != "view" or not entry.floating:
-            continue
-        readers = consumers.get(i)
-        if readers and all(
-            (c in returned or c in unread)
-            and (tape.entries[c].op._opname in INPUT_FREE or tape.entries[c].kind == "view")
-            for c in readers
-        ):
-            unread.add(i)
-    return unread
-
-
-def _stand_ins(entry: Entry) -> list[torch.Tensor]:
-    """Outputs for an entry the recompute does not run: a NaN broadcast to each output's shape
-    (no memory; a value nothing reads, and NaN if something ever did)."""
-    return [
-        torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
-        for shape, dtype, device in entry.fresh_meta
-    ]
-
-
-class Replayer(compat.TorchDispatchMode):
-    """Replay ``tape`` in a recompute whose inputs are ``inputs``, with the values ``kept``
-    (:attr:`Tape.kept`, as autograd held them) (see the module docs). ``replayed``: how many
-    operators took a kept value instead of running."""
-
-    def __init__(
-        self,
-        tape: Tape,
-        inputs: Sequence[torch.Tensor | None],
-        kept: Sequence[torch.Tensor],
-    ) -> None:
-        super().__init__()
-        self.tape = tape
-        self._kept = kept
-        self._sources = _Sources(inputs)
-        self._next: dict[Hashable, int] = {}
-        self._matched = bytearray(len(tape.entries))
-        self._random = 0
-        self._rewind = Rewind(tape.rng) if tape.rng is not None else None
-        self._unmatched: str | None = None
-        self.replayed = 0
-        self._returned: dict[int, list[torch.Tensor]] = {}
-        for j, slots in tape.returned.items():
-            n = sum(tag == "t" for tag, _ in tape.entries[j].template)
-            alive = [_alive(slots.get(k)) for k in range(n)]
-            if all(t is not None for t in alive):
-                self._returned[j] = alive  # type: ignore[assignment]
-        # (not under forward-mode AD, which writes the tangents of what the stand-ins replace)
-        forward_mode = compat.forward_ad_active() or any(
-            kind == "jvp" for kind, _ in compat.transforms()
-        )
-        self._unread = set() if forward_mode else _unread(tape, set(self._returned))
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if _traced(args, kwargs):
-            return func(*args, **kwargs)
-        kind = call_kind(func, args, kwargs)
-        if kind == "factory":
-            out = func(*args, **kwargs)
-            for t in _fresh(out, []):
-                self._sources.bind(t, _new(t))
-            return out
-        key, tensors = _key(func, args, kwargs, self._sources, None)
-        if kind == "random":
-            if self._rewind is not None:
-                self._rewind.start()
-            key = ("random", self._random)
-            self._random += 1
-        j, again = None, False
-        candidates = self.tape.index.get(key)
-        if candidates is not None:
-            n = self._next.get(key, 0)
-            if n < len(candidates):
-                j = candidates[n]
-                self._next[key] = n + 1
-                self._matched[j] = 1
-            elif kind in ("compute", "view"):  # the same value again (an outer jvp's helper)
-                j, again = candidates[-1], True
-        writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
-        entry = None if j is None else self.tape.entries[j]
-        if entry is not None and not again and (entry.saved or j in self._returned):
-            out, fresh = self._replay(entry, writes, self._returned.get(j))  # type: ignore[arg-type]
-            self.replayed += 1
-        elif entry is not None and not again and j in self._unread:
-            out, fresh = self._replay(entry, writes, _stand_ins(entry))
-            self.replayed += 1
-        else:
-            out = func(*args, **kwargs)
-            fresh = _fresh(out, writes)
-        if j is None:
-            if self._unmatched is None and kind != "view" and func._opname not in BOOKKEEPING:
-                self._unmatched = describe_call(func, tensors)
-            for t in writes:
-                self._sources.forget(t)
-            return out
-        _bind(self._sources, j, kind, out, fresh, writes)
-        return out
-
-    def _replay(
-        self, entry: Entry, writes: list[torch.Tensor], returned: list[torch.Tensor] | None
-    ) -> tuple[Any, list[torch.Tensor]]:
-        if returned is not None and not entry.saved:  # alive outputs, or stand-ins
-            fresh = [t.detach() for t in returned]
-        else:  # fresh aliases (autograd may set a history on them); written tensors get copies
-            n = entry.n_fresh
-            kept = self._kept[entry.slot : entry.slot + len(entry.devices)]
-            fresh = [
-                t.to(d, non_blocking=True).detach()
-                for t, d in zip(kept[:n], entry.devices, strict=False)
-            ]
-            for w, t in zip(writes, kept[n:], strict=True):
-                w.copy_(t, non_blocking=True)
-        leaves: list[Any] = []
-        for tag, value in entry.template:
-            if tag == "t":
-                leaves.append(fresh[value])
-            elif tag == "w":
-                leaves.append(writes[value])
-            elif tag == "work":
-                leaves.append(compat.completed_work(writes))
-            else:
-                leaves.append(value)
-        return optree.tree_unflatten(entry.spec, leaves), fresh
-
-    def finish(self, outputs: Sequence[torch.Tensor], *, vmapped: bool) -> None:
-        """Check that the recompute ran the forward's program (see the module docs)."""
-        tape = self.tape
-        if vmapped or tape.vmapped:
-            return
-        instead = f"; it ran {self._unmatched} instead" if self._unmatched else ""
-        advice = (
-            "A checkpointed function must compute the same thing each time it is called with "
-            "the same arguments; a Python branch on a value that changed between the forward "
-            "and the backward (a counter, a global flag, a tensor from outside modified in "
-            "place) would make its gradient wrong. Make it depend on its arguments only, or do "
-            "not checkpoint it"
-        )
-        for j, entry in enumerate(tape.entries):
-            if self._matched[j] or entry.kind == "view" or not entry.floating:
-                continue
-            if entry.op._opname in BOOKKEEPING:
-                continue
-            raise ValueError(
-                f"ps.checkpoint: the recompute of {tape.name} took another path than its "
-                f"forward: the forward ran {entry.text} (operation {j + 1} of "
-                f"{len(tape.entries)}), which the recompute did not{instead}. {advice}"
-            )
-        for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
-            if src is not None and self._sources.get(compat.base_of(t)) != src:
-                raise ValueError(
-                    f"ps.checkpoint: the recompute of {tape.name} took another path than its "
-                    f"forward: its output {i} ({tuple(t.shape)}, {t.dtype}) was computed "
-                    f"differently{instead}. {advice}"
-                )
-
-    def close(self) -> None:
-        """Put the generators back where the backward had them; let go of the run."""
-        if self._rewind is not None:
-            self._rewind.finish()
-        self._sources = _Sources(())
-        self._kept = ()
-        self._returned = {}

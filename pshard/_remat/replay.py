@@ -1,0 +1,226 @@
+"""The replay of a checkpoint's forward in its recompute (see :mod:`pshard._remat.tape`).
+
+:class:`Replayer` identifies each operator the recompute runs by its key (operator, arguments
+by source) against the :class:`~pshard._remat.tape.Tape` of the forward: a kept entry returns
+its kept outputs; an entry whose outputs the checkpoint returned and that are still alive and
+unchanged returns those; an entry that only feeds those through sums is not run
+(:func:`_unread`); everything else runs. At its end it checks that the recompute ran the
+forward's program.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from . import compat
+from .ops import BOOKKEEPING, INPUT_FREE, OUTPUT_FREE, call_kind, describe_call, written
+from .rng import Rewind
+from .tape import (
+    Entry,
+    Sources,
+    Tape,
+    bind_outputs,
+    fresh_outputs,
+    key_of,
+    new_source,
+    traced,
+)
+
+__all__ = ["Replayer"]
+
+
+def _alive(slot: tuple[weakref.ref[torch.Tensor], int] | None) -> torch.Tensor | None:
+    if slot is None:
+        return None
+    t = slot[0]()
+    return t if t is not None and t._version == slot[1] else None
+
+
+def _unread(tape: Tape, returned: set[int]) -> set[int]:
+    """The entries the recompute need not run: each output is read only by operators the
+    recompute replays and whose derivative does not read it (the last matrix product of a
+    residual layer, whose sum with the input is the checkpoint's output, still alive), their
+    own derivative does not read their output, and none is an output of the function. What
+    autograd keeps for their derivatives (their inputs) is computed as usual."""
+    consumers: dict[int, list[int]] = {}
+    for c, entry in enumerate(tape.entries):
+        for src in entry.inputs:
+            if isinstance(src, tuple) and src[0] == "o":
+                consumers.setdefault(src[1], []).append(c)
+    outputs = {src[1] for src in tape.outputs if isinstance(src, tuple) and src[0] == "o"}
+    unread: set[int] = set()
+    for i in range(len(tape.entries) - 1, -1, -1):
+        entry = tape.entries[i]
+        if i in returned or i in outputs or entry.saved or entry.kind not in ("compute", "view"):
+            continue
+        if entry.op._opname not in OUTPUT_FREE and entry.kind != "view" or not entry.floating:
+            continue
+        readers = consumers.get(i)
+        if readers and all(
+            (c in returned or c in unread)
+            and (tape.entries[c].op._opname in INPUT_FREE or tape.entries[c].kind == "view")
+            for c in readers
+        ):
+            unread.add(i)
+    return unread
+
+
+def _stand_ins(entry: Entry) -> list[torch.Tensor]:
+    """Outputs for an entry the recompute does not run: a NaN broadcast to each output's shape
+    (no memory; a value nothing reads, and NaN if something ever did)."""
+    return [
+        torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+        for shape, dtype, device in entry.fresh_meta
+    ]
+
+
+class Replayer(compat.TorchDispatchMode):
+    """Replay ``tape`` in a recompute whose inputs are ``inputs``, with the values ``kept``
+    (:attr:`Tape.kept`, as autograd held them) (see the module docs). ``replayed``: how many
+    operators took a kept value instead of running."""
+
+    def __init__(
+        self,
+        tape: Tape,
+        inputs: Sequence[torch.Tensor | None],
+        kept: Sequence[torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self.tape = tape
+        self._kept = kept
+        self._sources = Sources(inputs)
+        self._next: dict[Hashable, int] = {}
+        self._matched = bytearray(len(tape.entries))
+        self._random = 0
+        self._rewind = Rewind(tape.rng) if tape.rng is not None else None
+        self._unmatched: str | None = None
+        self.replayed = 0
+        self._returned: dict[int, list[torch.Tensor]] = {}
+        for j, slots in tape.returned.items():
+            n = sum(tag == "t" for tag, _ in tape.entries[j].template)
+            alive = [_alive(slots.get(k)) for k in range(n)]
+            if all(t is not None for t in alive):
+                self._returned[j] = alive  # type: ignore[assignment]
+        # (not under forward-mode AD, which writes the tangents of what the stand-ins replace)
+        forward_mode = compat.forward_ad_active() or any(
+            kind == "jvp" for kind, _ in compat.transforms()
+        )
+        self._unread = set() if forward_mode else _unread(tape, set(self._returned))
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if traced(args, kwargs):
+            return func(*args, **kwargs)
+        kind = call_kind(func, args, kwargs)
+        if kind == "factory":
+            out = func(*args, **kwargs)
+            for t in fresh_outputs(out, []):
+                self._sources.bind(t, new_source(t))
+            return out
+        key, tensors = key_of(func, args, kwargs, self._sources, None)
+        if kind == "random":
+            if self._rewind is not None:
+                self._rewind.start()
+            key = ("random", self._random)
+            self._random += 1
+        j, again = None, False
+        candidates = self.tape.index.get(key)
+        if candidates is not None:
+            n = self._next.get(key, 0)
+            if n < len(candidates):
+                j = candidates[n]
+                self._next[key] = n + 1
+                self._matched[j] = 1
+            elif kind in ("compute", "view"):  # the same value again (an outer jvp's helper)
+                j, again = candidates[-1], True
+        writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
+        entry = None if j is None else self.tape.entries[j]
+        if entry is not None and not again and (entry.saved or j in self._returned):
+            out, fresh = self._replay(entry, writes, self._returned.get(j))  # type: ignore[arg-type]
+            self.replayed += 1
+        elif entry is not None and not again and j in self._unread:
+            out, fresh = self._replay(entry, writes, _stand_ins(entry))
+            self.replayed += 1
+        else:
+            out = func(*args, **kwargs)
+            fresh = fresh_outputs(out, writes)
+        if j is None:
+            if self._unmatched is None and kind != "view" and func._opname not in BOOKKEEPING:
+                self._unmatched = describe_call(func, tensors)
+            for t in writes:
+                self._sources.forget(t)
+            return out
+        bind_outputs(self._sources, j, kind, out, fresh, writes)
+        return out
+
+    def _replay(
+        self, entry: Entry, writes: list[torch.Tensor], returned: list[torch.Tensor] | None
+    ) -> tuple[Any, list[torch.Tensor]]:
+        if returned is not None and not entry.saved:  # alive outputs, or stand-ins
+            fresh = [t.detach() for t in returned]
+        else:  # fresh aliases (autograd may set a history on them); written tensors get copies
+            n = entry.n_fresh
+            kept = self._kept[entry.slot : entry.slot + len(entry.devices)]
+            fresh = [
+                t.to(d, non_blocking=True).detach()
+                for t, d in zip(kept[:n], entry.devices, strict=False)
+            ]
+            for w, t in zip(writes, kept[n:], strict=True):
+                w.copy_(t, non_blocking=True)
+        leaves: list[Any] = []
+        for tag, value in entry.template:
+            if tag == "t":
+                leaves.append(fresh[value])
+            elif tag == "w":
+                leaves.append(writes[value])
+            elif tag == "work":
+                leaves.append(compat.completed_work(writes))
+            else:
+                leaves.append(value)
+        return optree.tree_unflatten(entry.spec, leaves), fresh
+
+    def finish(self, outputs: Sequence[torch.Tensor], *, vmapped: bool) -> None:
+        """Check that the recompute ran the forward's program (see the module docs)."""
+        tape = self.tape
+        if vmapped or tape.vmapped:
+            return
+        instead = f"; it ran {self._unmatched} instead" if self._unmatched else ""
+        advice = (
+            "A checkpointed function must compute the same thing each time it is called with "
+            "the same arguments; a Python branch on a value that changed between the forward "
+            "and the backward (a counter, a global flag, a tensor from outside modified in "
+            "place) would make its gradient wrong. Make it depend on its arguments only, or do "
+            "not checkpoint it"
+        )
+        for j, entry in enumerate(tape.entries):
+            if self._matched[j] or entry.kind == "view" or not entry.floating:
+                continue
+            if entry.op._opname in BOOKKEEPING:
+                continue
+            raise ValueError(
+                f"ps.checkpoint: the recompute of {tape.name} took another path than its "
+                f"forward: the forward ran {entry.text} (operation {j + 1} of "
+                f"{len(tape.entries)}), which the recompute did not{instead}. {advice}"
+            )
+        for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
+            if src is not None and self._sources.get(compat.base_of(t)) != src:
+                raise ValueError(
+                    f"ps.checkpoint: the recompute of {tape.name} took another path than its "
+                    f"forward: its output {i} ({tuple(t.shape)}, {t.dtype}) was computed "
+                    f"differently{instead}. {advice}"
+                )
+
+    def close(self) -> None:
+        """Put the generators back where the backward had them; let go of the run."""
+        if self._rewind is not None:
+            self._rewind.finish()
+        self._sources = Sources(())
+        self._kept = ()
+        self._returned = {}
