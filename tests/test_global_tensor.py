@@ -274,6 +274,51 @@ def test_block_written_in_place_under_a_transform_is_refused(mesh: object) -> No
     torch.testing.assert_close(ps.gather(params)["w"], 2 * whole["w"])
 
 
+def test_global_tensors_are_immutable(mesh: object) -> None:
+    """Rebinding .local under torch.func.grad would change what is differentiated (the
+    gradient with respect to the new block, silently): a GlobalTensor cannot be rebound."""
+    whole, params = _params(mesh)
+    w = params["w"]
+
+    def loss(w: ps.GlobalTensor) -> torch.Tensor:
+        w.local = w.local * 2
+        return ps.gather(w).sum()
+
+    with _raises(AttributeError, "GlobalTensor is immutable: cannot set .local"):
+        torch.func.grad(loss)(w)
+    with _raises(AttributeError, "GlobalTensor is immutable: cannot set .meta"):
+        w.meta = w.meta
+    import copy
+
+    c = copy.deepcopy(w)
+    assert c.meta == w.meta and torch.equal(c.local, w.local) and c.local is not w.local
+    assert copy.copy(w).local is w.local
+
+
+def test_a_block_that_does_not_fit_its_layout_is_refused(mesh: object) -> None:
+    """A tree_map that changes a block's shape, or a vmap batch dim carried out of the vmap,
+    leaves a GlobalTensor whose block does not fit: gather, reshard, shard_map and to_dtensor
+    refuse it (never zero-filled rows or a wrong shape)."""
+    whole, params = _params(mesh)
+    bad = {"w": optree.tree_map(lambda t: t[:1], params["w"]), "b": params["b"]}
+    with _raises(ValueError, "gather tree['w']: the block has shape (1, 3), but P('dp', 'tp')"):
+        ps.gather(bad)
+    with _raises(ValueError, "reshard tree['w']: the block has shape (1, 3)"):
+        ps.reshard(bad, {"w": ps.P(), "b": ps.P()})
+    with _raises(ValueError, "to_dtensor x: the block has shape (1, 3)"):
+        ps.to_dtensor(bad["w"])
+    with _raises(ValueError, "shard_map in_specs[0]: the block has shape (1, 3)"):
+        ps.shard_map(lambda w: w, in_specs=ps.P("dp", "tp"), out_specs=ps.P("dp", "tp"))(bad["w"])
+    # per-example gradients: vmap's batch dim stays in the blocks of its output
+    x = torch.randn(7, 4, 5, dtype=torch.float64)
+    per_example = torch.func.vmap(
+        torch.func.grad(lambda w, x: (x @ ps.gather(w)).pow(2).sum()), in_dims=(None, 0)
+    )(params["w"], x)
+    assert per_example.local.shape == (7, 5, 3)
+    with _raises(ValueError, "the block has 3 dims but the GlobalTensor 2 (shape (5, 3), block"):
+        ps.gather(per_example)
+
+
 def test_repr() -> None:
     ps.init_mesh({"dp": 1})
     x = ps.shard(torch.zeros(4, 2), ps.P("dp"))

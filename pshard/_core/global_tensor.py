@@ -26,6 +26,7 @@ This module is pure: no process group. Operations that communicate live in
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -141,12 +142,29 @@ class GlobalTensor:
     version: int | None
 
     def __init__(self, local: Any, meta: GlobalMeta) -> None:
-        self.local = local
-        self.meta = meta
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "meta", meta)
         # the block's version counter when this node was made (``torch.func`` makes new nodes
         # around the tensors it wraps): a change under a transform means an in-place write
         tracked = isinstance(local, torch.Tensor) and not torch.compiler.is_compiling()
-        self.version = innermost(local)._version if tracked else None
+        object.__setattr__(self, "version", innermost(local)._version if tracked else None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"GlobalTensor is immutable: cannot set .{name} (under torch.func, rebinding the "
+            f"block would change what is differentiated); build a new one, "
+            f"ps.GlobalTensor(new_block, x.meta) or optree.tree_map(f, x), or update the "
+            f"block in place outside transforms (x.local.copy_(...), as torch.optim does)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (GlobalTensor, (self.local, self.meta))
+
+    def __copy__(self) -> GlobalTensor:
+        return GlobalTensor(self.local, self.meta)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GlobalTensor:
+        return GlobalTensor(copy.deepcopy(self.local, memo), self.meta)  # the layout is shared
 
     @property
     def spec(self) -> P:

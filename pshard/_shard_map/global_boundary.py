@@ -32,7 +32,7 @@ from .._core.placements import P, Placement, Replicate, Shard, StridedShard
 from .._core.tree import describe
 from .._runtime.wire import all_gather
 from .boundary import BlockLayout, FromBlocks, ToBlock, shape_row, whole_shape
-from .global_ops import global_layout
+from .global_ops import check_block, global_layout
 from .mesh_view import MeshView, axes_of, block_layout
 
 __all__ = ["as_spec", "enter_global", "exit_global", "sharded_outputs"]
@@ -92,6 +92,7 @@ def _check_mesh(x: GlobalTensor, where: str, view: MeshView) -> None:
     if not isinstance(x.local, torch.Tensor):
         raise TypeError(f"{view.fn} {where}: the GlobalTensor's block is {describe(x.local)}")
     check_unmodified(x, view.fn, where)
+    check_block(x.local, x.meta, view, view.fn, where)
 
 
 def enter_global(

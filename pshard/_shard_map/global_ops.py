@@ -280,6 +280,14 @@ def from_local(
 
 def check_block(x: Any, meta: GlobalMeta, view: MeshView, fn: str, where: str) -> None:
     """Raise ``ValueError`` unless ``x`` has this rank's block shape under ``meta``."""
+    if x.dim() != len(meta.shape):
+        raise ValueError(
+            f"{fn} {where}: the block has {x.dim()} dims but the GlobalTensor {len(meta.shape)} "
+            f"(shape {meta.shape}, block shape {tuple(x.shape)}); a GlobalTensor returned by "
+            f"torch.func.vmap (per-example gradients) holds vmap's batch dim in its block: use "
+            f"it inside the vmap, or make a GlobalTensor of the stacked value with "
+            f"ps.from_local(block, P(None, *spec))"
+        )
     coord = view.coordinate()
     want = tuple(sum(map(len, runs)) for runs in block_runs(meta, coord))
     if tuple(x.shape) != want:
@@ -355,20 +363,25 @@ def gather(tree: Any) -> Any:
     return tree_unflatten(treedef, out)
 
 
-def _gather_one(x: GlobalTensor, where: str, views: dict[Any, MeshView]) -> torch.Tensor:
-    _check_local(x, "gather", where)
+def _gather_one(
+    x: GlobalTensor, where: str, views: dict[Any, MeshView], fn: str = "gather"
+) -> torch.Tensor:
     view = views.get(x.meta.key)
     if view is None:
-        view = views[x.meta.key] = _view(x.meta.mesh, "gather")
+        view = views[x.meta.key] = _view(x.meta.mesh, fn)
+    _check_local(x, fn, where, view)
     lay = global_layout(x.meta, view, where)
     out: torch.Tensor = FromBlocks.apply(x.local, lay, False, 1.0, x.meta.shape, None)
     return out
 
 
-def _check_local(x: GlobalTensor, fn: str, where: str) -> None:
+def _check_local(x: GlobalTensor, fn: str, where: str, view: MeshView) -> None:
+    """A GlobalTensor's block is a tensor of this rank's block shape, not written in place
+    under a transform."""
     if not isinstance(x.local, torch.Tensor):
         raise TypeError(f"{fn} {where}: the GlobalTensor's block is {describe(x.local)}")
     check_unmodified(x, fn, where)
+    check_block(x.local, x.meta, view, fn, where)
 
 
 def reshard(tree: Any, specs: Any, *, mesh: DeviceMesh | None = None) -> Any:
@@ -404,7 +417,7 @@ def reshard(tree: Any, specs: Any, *, mesh: DeviceMesh | None = None) -> Any:
         if is_global(x) and x.meta == meta:
             out.append(x)
             continue
-        whole = _gather_one(x, where, views) if is_global(x) else x
+        whole = _gather_one(x, where, views, fn) if is_global(x) else x
         view = views.get(meta.key)
         if view is None:
             view = views[meta.key] = _view(m, fn)
@@ -427,7 +440,7 @@ def to_dtensor(x: GlobalTensor) -> Any:
 
     if not is_global(x):
         raise TypeError(f"to_dtensor: expected a GlobalTensor, got {describe(x)}")
-    _check_local(x, "to_dtensor", "x")
+    _check_local(x, "to_dtensor", "x", _view(x.meta.mesh, "to_dtensor"))
     shape = x.meta.shape
     stride = tuple(torch.empty(shape, device="meta").stride())
     placements = tuple(to_torch_placement(p) for p in dtensor_placements(x.meta))
