@@ -279,6 +279,101 @@ def test_refuses_to_replace_what_is_not_a_checkpoint(tmp_path: Path) -> None:
     save(tmp_path / "empty", {"w": torch.ones(1)})
 
 
+def _foreign(path: str | Path, names: str, checkpoint: bool) -> str:
+    head = (
+        "holds a checkpoint and"
+        if checkpoint
+        else "is a directory that holds no checkpoint (no .metadata DCP wrote) and"
+    )
+    return (
+        f"save: {str(path)!r} {head} entries pshard did not write: {names}; a save replaces the "
+        f"whole directory and would delete them, so pshard writes only over an empty directory "
+        f"or a checkpoint it or DCP wrote: save into a fresh directory or a subdirectory, or "
+        f"move them away"
+    )
+
+
+@no_dist_warning
+def test_never_deletes_what_pshard_did_not_write(tmp_path: Path, monkeypatch: Any) -> None:
+    path = Path(_ckpt(tmp_path))
+    save(path, {"w": torch.ones(2)})
+    (path / "config.json").write_text("{}")
+    (path / "logs").mkdir()
+    (path / "logs" / "train.log").write_text("...")
+    with pytest.raises(ValueError, match=re.escape(_foreign(path, "'config.json', 'logs/'", True))):
+        save(path, {"w": torch.zeros(2)})
+    assert sorted(os.listdir(path)) == [
+        ".metadata",
+        "__0_0.distcp",
+        "config.json",
+        "logs",
+        "pshard.json",
+    ]
+    assert (path / "logs" / "train.log").read_text() == "..."
+    assert torch.equal(load(path, {"w": torch.empty(2)})["w"], torch.ones(2))
+    # a file named .metadata that DCP did not write is no checkpoint
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / ".metadata").write_text("not DCP")
+    (mine / "thesis.tex").write_text("...")
+    with pytest.raises(
+        ValueError, match=re.escape(_foreign(mine, "'.metadata', 'thesis.tex'", False))
+    ):
+        save(mine, {"w": torch.ones(2)})
+    (mine / "thesis.tex").unlink()
+    with pytest.raises(ValueError, match=re.escape(_foreign(mine, "'.metadata'", False))):
+        save(mine, {"w": torch.ones(2)})
+    assert (mine / ".metadata").read_text() == "not DCP"
+    # a pshard.json that is not pshard's manifest, a directory named like DCP's files
+    other = tmp_path / "other"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=other)
+    (other / "pshard.json").write_text("{}")
+    (other / "__9_0.distcp").mkdir()
+    names = "'__9_0.distcp/', 'pshard.json'"
+    with pytest.raises(ValueError, match=re.escape(_foreign(other, names, True))):
+        save(other, {"w": torch.ones(2)})
+    assert (other / "pshard.json").read_text() == "{}"
+    # a subdirectory of a directory with other files is fine, and leaves them
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    save(run / "ckpt", {"w": torch.ones(2)})
+    save(run / "ckpt", {"w": torch.zeros(2)})
+    assert sorted(os.listdir(run)) == ["ckpt", "config.json"]
+    # a file that appears while the ranks write is found before the switch
+    import pshard._state.save as save_module
+
+    real = save_module.write_checkpoint
+
+    def meanwhile(*args: Any) -> None:
+        (path.parent / "ckpt2" / "notes.txt").write_text("keep")
+        real(*args)
+
+    save(path.parent / "ckpt2", {"w": torch.ones(2)})
+    monkeypatch.setattr(save_module, "write_checkpoint", meanwhile)
+    with pytest.raises(
+        ValueError, match=re.escape(_foreign(path.parent / "ckpt2", "'notes.txt'", True))
+    ):
+        save(path.parent / "ckpt2", {"w": torch.zeros(2)})
+    monkeypatch.undo()
+    assert (path.parent / "ckpt2" / "notes.txt").read_text() == "keep"
+    assert torch.equal(load(path.parent / "ckpt2", {"w": torch.empty(2)})["w"], torch.ones(2))
+
+
+def test_stale_asides_lose_only_what_pshard_wrote(tmp_path: Path) -> None:
+    path = Path(_ckpt(tmp_path))
+    stale = tmp_path / f".ckpt.pshard-{'a' * 32}"
+    stale.mkdir()
+    for name in (".metadata", ".metadata.tmp", "__0_0.distcp", "pshard.json"):
+        (stale / name).write_bytes(b"half")
+    (stale / "mine.txt").write_text("keep")
+    save(path, {"w": torch.ones(2)})
+    assert sorted(os.listdir(stale)) == ["mine.txt"]
+    (stale / "mine.txt").unlink()
+    save(path, {"w": torch.ones(2)})
+    assert not stale.exists()
+
+
 # --------------------------------------------------------------------------- async
 
 

@@ -15,6 +15,11 @@ until the switch and the new one after; there is no moment when it does not exis
 Saves into one parent directory take an exclusive ``flock`` on it (rank 0, from the start of a
 save to its switch), so they switch in the order they were called, an async save included, and
 the aside directories a killed save left behind are removed by the next save of that path.
+
+Nothing pshard did not write is deleted: :func:`check_target` accepts a directory at ``path``
+only when each entry is a file pshard or DCP writes (checked again right before the switch),
+and removing a previous checkpoint or a stale aside directory deletes only such files (the
+directory too once that empties it).
 """
 
 from __future__ import annotations
@@ -23,20 +28,26 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import re
-import shutil
 import sys
 import uuid
 from pathlib import Path
 
-from .reader import DCP_METADATA
+from .manifest import FORMAT, MANIFEST
+from .reader import DCP_METADATA, read_dcp_metadata
 
 __all__ = ["SaveLock", "aside_path", "check_target", "new_token", "remove_stale", "switch"]
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV})
+# the files pshard and DCP's writer put in a checkpoint directory (``.metadata.tmp``: DCP's
+# metadata while it is written, left by a killed save)
+_WRITTEN = frozenset({DCP_METADATA, f"{DCP_METADATA}.tmp", MANIFEST})
+_DCP_DATA = re.compile(r"__\d+_\d+\.distcp")
+_SHOWN = 10  # foreign entries named in an error
 
 
 def new_token() -> str:
@@ -53,23 +64,74 @@ def _aside_pattern(path: Path) -> re.Pattern[str]:
     return re.compile(rf"\.{re.escape(path.name)}\.pshard-[0-9a-f]{{32}}(-link|-probe[01])?")
 
 
+def _written_name(name: str) -> bool:
+    """Whether pshard or DCP's writer names a file in a checkpoint directory ``name``."""
+    return name in _WRITTEN or _DCP_DATA.fullmatch(name) is not None
+
+
+def _is_dcp_metadata(file: Path) -> bool:
+    try:
+        read_dcp_metadata(file.parent)
+    except Exception:  # not a pickle, or one of something else: either way not DCP's
+        return False
+    return True
+
+
+def _is_manifest(file: Path) -> bool:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
+def _written(entry: Path) -> bool:
+    """Whether ``entry`` of a directory is a file pshard or DCP writes (``.metadata`` that
+    parses as DCP's metadata, ``pshard.json`` that is a manifest)."""
+    if entry.is_symlink() or not entry.is_file() or not _written_name(entry.name):
+        return False
+    if entry.name == DCP_METADATA:
+        return _is_dcp_metadata(entry)
+    if entry.name == MANIFEST:
+        return _is_manifest(entry)
+    return True
+
+
+def _listing(entries: list[Path]) -> str:
+    names = [repr(e.name + ("/" if e.is_dir() and not e.is_symlink() else "")) for e in entries]
+    shown = ", ".join(names[:_SHOWN])
+    return shown if len(names) <= _SHOWN else f"{shown} and {len(names) - _SHOWN} more"
+
+
 def check_target(path: Path, fn: str) -> None:
     """Raise unless ``path`` may be replaced by a checkpoint: it does not exist, or is a
-    directory that is empty or holds a DCP checkpoint (never another directory's contents).
+    directory each of whose entries pshard or DCP writes (``.metadata`` that parses as DCP's
+    metadata, ``__<rank>_<n>.distcp``, ``pshard.json`` that is a manifest): an empty directory
+    or a checkpoint, never a directory holding anything else.
 
     Raises:
-        ValueError: ``path`` is a file, or a directory holding something else.
+        ValueError: ``path`` is a file, or a directory holding something else (each such
+            entry named).
     """
     if not os.path.lexists(path):
         return
     if not path.is_dir():
         raise ValueError(f"{fn}: {str(path)!r} exists and is not a directory")
-    if not (path / DCP_METADATA).exists() and any(path.iterdir()):
-        raise ValueError(
-            f"{fn}: {str(path)!r} is a directory that holds no checkpoint (no {DCP_METADATA}); "
-            f"a save replaces the whole directory, so pshard writes only over an empty one or "
-            f"a checkpoint: choose another path or empty it"
-        )
+    foreign = sorted((e for e in path.iterdir() if not _written(e)), key=lambda e: e.name)
+    if not foreign:
+        return
+    metadata = path / DCP_METADATA
+    head = (
+        "holds a checkpoint and"
+        if metadata not in foreign and metadata.exists()
+        else f"is a directory that holds no checkpoint (no {DCP_METADATA} DCP wrote) and"
+    )
+    raise ValueError(
+        f"{fn}: {str(path)!r} {head} entries pshard did not write: {_listing(foreign)}; a save "
+        f"replaces the whole directory and would delete them, so pshard writes only over an "
+        f"empty directory or a checkpoint it or DCP wrote: save into a fresh directory or a "
+        f"subdirectory, or move them away"
+    )
 
 
 class SaveLock:
@@ -111,10 +173,18 @@ def remove_stale(path: Path) -> list[Path]:
 
 
 def _remove(entry: Path) -> None:
+    """Delete ``entry``, an aside-named entry a save made: a symlink or file, or a directory's
+    files that pshard or DCP write and then the directory if that empties it. Anything else
+    in it (put there meanwhile by someone else) stays, and so does the directory."""
     if entry.is_symlink() or not entry.is_dir():
         entry.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(entry, ignore_errors=True)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        for child in entry.iterdir():
+            if _written_name(child.name) and child.is_file() and not child.is_symlink():
+                child.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: what stays is not pshard's to delete
+        entry.rmdir()
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -171,10 +241,13 @@ def switch(aside: Path, path: Path, fn: str) -> None:
     delete the previous one (see the module docstring).
 
     Raises:
+        ValueError: ``path`` now holds something pshard did not write (:func:`check_target`,
+            again: a file put there while the ranks wrote); nothing at ``path`` changed.
         OSError: ``path`` is a directory and the filesystem can neither exchange two
             directories nor was the checkpoint there written as a symlink (the new checkpoint
             stays at ``aside``; nothing at ``path`` changed).
     """
+    check_target(path, fn)
     _fsync_dir(aside)
     if path.is_symlink():
         _link(aside, path)

@@ -73,7 +73,8 @@ def save(
 
     Args:
         path: the checkpoint directory: it must not exist, be empty, or hold a checkpoint
-            (which it replaces).
+            and nothing else (which it replaces; files pshard and DCP did not write there,
+            a ``config.json`` or ``logs/``, are never deleted: the save refuses them).
         tree: a pytree of GlobalTensors, tensors, DTensors, int, float, str, bool, ``None``
             and :class:`RngState`, with str (or int) keys.
         async_save: return at once with a ``concurrent.futures.Future`` while a background
@@ -87,7 +88,8 @@ def save(
     Raises:
         TypeError: a leaf a checkpoint cannot hold (the message names its key path).
         ValueError: two leaves with one DCP key, ranks passing different trees (each
-            difference named), or ``path`` a file or a directory holding something else.
+            difference named), or ``path`` a file or a directory holding something pshard
+            and DCP do not write (each such entry named).
         RuntimeError: another rank failed (nothing was switched).
 
     Example:
