@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import optree
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -445,6 +446,27 @@ def test_save_errors_name_the_key_path(tmp_path: Path) -> None:
         save(path, {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
     with pytest.raises(TypeError, match=re.escape("the key (1, 2) is tuple")):
         save(path, {(1, 2): torch.ones(1)})
+    assert not os.path.exists(path)
+
+
+def test_save_refuses_a_block_that_does_not_fit_its_layout(tmp_path: Path) -> None:
+    path = _ckpt(tmp_path)
+    ps.init_mesh({"dp": 1})
+    w = ps.shard(torch.arange(15.0).reshape(5, 3), ps.P("dp"))
+    bad = optree.tree_map(lambda t: t[:2], w)  # a tree_map that changes the block's shape
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "save tree['opt']['w']: the GlobalTensor's block has shape (2, 3), but its spec "
+            "P('dp', None) and global shape (5, 3) give this rank (dp=0) of mesh {'dp': 1} a "
+            "block of shape (5, 3), so the checkpoint would not load; save GlobalTensors whose "
+            "blocks fit their layout (ps.from_local(block, spec, global_shapes=...) checks it)"
+        ),
+    ):
+        save(path, {"opt": {"w": bad}})
+    flat = optree.tree_map(lambda t: t.reshape(-1), w)
+    with pytest.raises(ValueError, match=re.escape("block has shape (15,), but its spec")):
+        save(path, {"w": flat})
     assert not os.path.exists(path)
 
 

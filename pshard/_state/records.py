@@ -26,7 +26,7 @@ import torch.distributed as dist
 from optree import PyTreeAccessor
 
 from .._compat import is_wrapped
-from .._core.global_tensor import GlobalMeta, dtensor_placements, is_global
+from .._core.global_tensor import GlobalMeta, block_shape, dtensor_placements, is_global
 from .._core.placements import P
 from .._core.tree import describe, keystr
 from .._shard_map.global_ops import from_dtensor
@@ -126,6 +126,7 @@ def record(path: KeyPath, x: Any, accessor: PyTreeAccessor, fn: str) -> tuple[Le
                 f"{fn} {here}: this rank ({dist.get_rank()}) is not in the GlobalTensor's mesh "
                 f"{meta.key.text()}; every rank that saves must hold a block of it"
             )
+        _check_block(local, meta, here, fn)
         mesh = tuple(zip(meta.key.names, meta.key.sizes, strict=True))
         return LeafRecord(path, "global", meta.shape, local.dtype, meta.spec, mesh), x
     if isinstance(x, torch.Tensor):
@@ -148,6 +149,22 @@ def record(path: KeyPath, x: Any, accessor: PyTreeAccessor, fn: str) -> tuple[Le
         f"{fn} {here}: {describe(x)}; a checkpoint holds GlobalTensors, tensors, int, float, "
         f"str, bool, None and ps.RngState (plain data, never a pickle): {hint}"
     )
+
+
+def _check_block(local: torch.Tensor, meta: GlobalMeta, here: str, fn: str) -> None:
+    """Raise unless ``local`` has the shape ``meta`` gives this rank's block (else DCP would
+    write chunks that disagree with the global shape, and the load fail)."""
+    coord = {n: meta.mesh.get_local_rank(n) for n in meta.key.names}
+    want = block_shape(meta, coord)
+    if tuple(local.shape) != want:
+        at = ", ".join(f"{n}={coord[n]}" for n in meta.key.names)
+        raise ValueError(
+            f"{fn} {here}: the GlobalTensor's block has shape {tuple(local.shape)}, but its spec "
+            f"{meta.spec!r} and global shape {meta.shape} give this rank ({at}) of mesh "
+            f"{meta.key.text()} a block of shape {want}, so the checkpoint would not load; save "
+            f"GlobalTensors whose blocks fit their layout (ps.from_local(block, spec, "
+            f"global_shapes=...) checks it)"
+        )
 
 
 def check_unique(records: list[LeafRecord], fn: str) -> None:
