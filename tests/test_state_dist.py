@@ -273,6 +273,37 @@ def test_ranks_passing_different_trees(pool: Any, tmp_path: Path) -> None:
     )
 
 
+def _replicas_worker(path: str) -> list[str]:
+    grid = ps.init_mesh({"dp": 2, "tp": 2})
+    rank, dp = dist.get_rank(), grid.get_local_rank("dp")
+    b = ps.from_local(torch.ones(2), P(), global_shapes=(2,))
+    ok = ps.from_local(torch.full((1, 2), float(dp)), P("dp"), global_shapes=(2, 2))
+    # P("dp") replicates the block over "tp": ranks 2 and 3 hold (dp=1) but differ
+    bad = ps.from_local(ok.local + (rank == 3), P("dp"), global_shapes=(2, 2))
+    with ps.debug(True), pytest.raises(ValueError) as info:
+        save(path, {"b": b, "model": {"w": bad}})
+    save(path, {"b": b, "model": {"w": bad}})  # not checked outside debug mode
+    with ps.debug(True):
+        save(path, {"b": b, "model": {"w": ok}})  # blocks differ only over "dp", which splits it
+    back = load(path, {"b": b, "model": {"w": ps.shard(torch.zeros(2, 2), P())}})
+    assert torch.equal(back["model"]["w"].local, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    return str(info.value)
+
+
+def test_debug_mode_checks_replicated_blocks(pool: Any, tmp_path: Path) -> None:
+    messages = pool.run(4, _replicas_worker, str(tmp_path / "ckpt"))
+    assert (
+        messages
+        == [
+            "save tree['model']['w']: debug mode: the GlobalTensor's spec P('dp', None) replicates "
+            "its block over mesh axes ('tp',) of mesh {'dp': 2, 'tp': 2}, but those ranks hold "
+            "different blocks; a checkpoint keeps one copy of a replicated block, so pass the same "
+            "block on each of them; global ranks holding equal values: [2] vs [3]"
+        ]
+        * 4
+    )
+
+
 # --------------------------------------------------------------------------- resume
 
 

@@ -6,7 +6,9 @@ it with the key path named; a DTensor is read as the ``GlobalTensor`` of ``ps.fr
 Before anything is written each rank proposes what it saves (:class:`Proposal`: the path, the
 structure, every leaf's record as JSON; whole tensors' digests in debug mode) and rank 0
 compares them (:func:`compare`): ranks that pass different trees would otherwise write a
-checkpoint of one rank's plain values and another's shapes, or hang.
+checkpoint of one rank's plain values and another's shapes, or hang. In debug mode
+:func:`check_replicas` then compares the blocks of replicated GlobalTensors on the ranks that
+hold copies (a collective, run once every rank has proposed).
 
 Also the helpers ``save`` and ``load`` share: :func:`target_path`, :func:`is_state_leaf`,
 :func:`nearest_spec` (the layout DTensor can write nearest to a spec) and :func:`expressible`.
@@ -26,10 +28,20 @@ import torch.distributed as dist
 from optree import PyTreeAccessor
 
 from .._compat import is_wrapped
-from .._core.global_tensor import GlobalMeta, block_shape, dtensor_placements, is_global
+from .._core.global_tensor import (
+    GlobalMeta,
+    GlobalTensor,
+    MeshKey,
+    applied_shards,
+    block_shape,
+    dtensor_placements,
+    is_global,
+)
 from .._core.placements import P
 from .._core.tree import describe, keystr
+from .._shard_map.boundary import check_replicated
 from .._shard_map.global_ops import from_dtensor
+from .._shard_map.mesh_view import MeshView
 from .manifest import (
     KeyPath,
     LeafRecord,
@@ -42,6 +54,7 @@ from .rng import RngState
 
 __all__ = [
     "Proposal",
+    "check_replicas",
     "check_unique",
     "compare",
     "expressible",
@@ -165,6 +178,46 @@ def _check_block(local: torch.Tensor, meta: GlobalMeta, here: str, fn: str) -> N
             f"GlobalTensors whose blocks fit their layout (ps.from_local(block, spec, "
             f"global_shapes=...) checks it)"
         )
+
+
+def check_replicas(records: list[LeafRecord], values: list[Any], fn: str) -> None:
+    """Debug mode: raise unless each GlobalTensor's block is equal on the ranks its spec
+    replicates it over (DCP writes one of their copies). Every rank runs every check (a
+    collective over each leaf's replicated axes) and then raises the first that failed.
+
+    Raises:
+        ValueError: a replicated block that differs (its key path and the ranks named).
+    """
+    views: dict[MeshKey, MeshView] = {}
+    first: ValueError | None = None
+    for rec, x in zip(records, values, strict=True):
+        if rec.kind != "global":
+            continue
+        g: GlobalTensor = x
+        meta = g.meta
+        split = {axis for axis, _ in applied_shards(meta.spec)}
+        axes = tuple(n for n in meta.key.names if n not in split and meta.key.size(n) > 1)
+        if not axes:
+            continue
+        view = views.get(meta.key)
+        if view is None:
+            view = views[meta.key] = MeshView(meta.mesh, None, fn)
+        comm = view.comm(axes)
+        if comm is None:
+            continue
+        try:
+            check_replicated(
+                g.local.detach(),
+                comm,
+                f"{fn} {where(rec.path)}: debug mode: the GlobalTensor's spec {meta.spec!r} "
+                f"replicates its block over mesh axes {axes} of mesh {meta.key.text()}, but those "
+                f"ranks hold different blocks; a checkpoint keeps one copy of a replicated "
+                f"block, so pass the same block on each of them",
+            )
+        except ValueError as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def check_unique(records: list[LeafRecord], fn: str) -> None:

@@ -2,7 +2,8 @@
 
 Every rank calls ``save`` with the same tree (its own blocks). The ranks first agree on the
 tree (its structure, each leaf's kind, global shape, dtype, layout and plain value: a mismatch
-is a ``ValueError`` on every rank, naming the key paths, before anything is written); then
+is a ``ValueError`` on every rank, naming the key paths, before anything is written; in debug
+mode also the values of whole tensors and of replicated blocks); then
 each rank writes its blocks of every ``GlobalTensor`` through DCP (as the DTensor of
 ``ps.to_dtensor``; DCP writes a block that several ranks hold, and a whole tensor, once), into
 a directory beside ``path``; rank 0 writes the manifest (``pshard.json``: structure, layouts,
@@ -37,6 +38,7 @@ from .comm import Comm, GroupComm, LocalComm, agree, default_comm
 from .manifest import MANIFEST, LeafRecord, Manifest, encode_structure, key_path
 from .records import (
     Proposal,
+    check_replicas,
     check_unique,
     compare,
     expressible,
@@ -87,9 +89,11 @@ def save(
 
     Raises:
         TypeError: a leaf a checkpoint cannot hold (the message names its key path).
-        ValueError: two leaves with one DCP key, ranks passing different trees (each
-            difference named), or ``path`` a file or a directory holding something pshard
-            and DCP do not write (each such entry named).
+        ValueError: two leaves with one DCP key, a GlobalTensor whose block does not fit its
+            spec and global shape, ranks passing different trees (each difference named; in
+            debug mode, :func:`pshard.debug`, also whole tensors' values and the blocks of a
+            replicated GlobalTensor on the ranks that hold copies), or ``path`` a file or a
+            directory holding something pshard and DCP do not write (each such entry named).
         RuntimeError: another rank failed (nothing was switched).
 
     Example:
@@ -188,6 +192,8 @@ def _prepare(
         return [new_token()] * comm.size
 
     token: str = agree(comm, fn, propose, decide)
+    if debug:  # replicated blocks equal where they are held: collectives, once all ranks agree
+        agree(comm, fn, lambda: check_replicas(records, values, fn), lambda _: [None] * comm.size)
     aside = aside_path(target, token)
     plan: dict[str, Any] = {}  # fqn -> what DCP plans from: DTensors and tensors of meta blocks
     data: dict[str, torch.Tensor] = {}  # fqn -> this rank's block or the whole tensor
