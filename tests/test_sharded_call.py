@@ -211,3 +211,111 @@ def test_units_and_errors() -> None:
     )
     with pytest.raises(ValueError, match=re.escape("a GlobalTensor is one global value, not rows")):
         concat(params, x)
+
+
+class _Tied(torch.nn.Module):
+    """A weight tied across two units (layers 0 and 2), and one inside the rest and a unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 4)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.layers[2].weight = self.layers[0].weight
+        self.layers[1].bias = self.embed.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_weights_tied_across_units() -> None:
+    ps.init_mesh({"dp": 1})
+    torch.manual_seed(0)
+    model = _Tied().to(f64)
+    whole = {k: v.detach() + 0.1 for k, v in model.named_parameters()}  # one name per tie
+    assert "layers.2.weight" not in whole and "layers.1.bias" not in whole
+    x = torch.randn(3, 4, dtype=f64)
+
+    def ref(p: dict) -> torch.Tensor:
+        return (functional_call(model, p, (x,)) ** 2).sum()
+
+    def loss(p: dict) -> torch.Tensor:
+        return (ps.sharded_call(model, p, (x,)) ** 2).sum()
+
+    params = ps.shard(whole, P("dp"))
+    _close(loss(params), ref(whole))
+    _check(grad(loss)(params), grad(ref)(whole), params)
+
+
+def test_unit_errors_name_the_unit_and_the_value() -> None:
+    ps.init_mesh({"dp": 1})
+    model, whole = _model()
+    x = torch.randn(4, 3, dtype=f64)
+    with pytest.raises(TypeError, match=re.escape("sharded_call params['head.bias']: expected a")):
+        ps.sharded_call(model, {"head.bias": None}, (x,))
+    block = {"head.weight": whole["head.weight"][:1]}
+    with pytest.raises(ValueError, match=re.escape("pass the map's in_spec for it in specs=")):
+        ps.sharded_call(model, block, (x,))
+    with pytest.raises(TypeError, match=re.escape("specs['head.weight']: Shard(0) does not say")):
+        ps.sharded_call(model, block, (x,), specs=ps.Shard(0))
+    wrong = ps.shard({"head.weight": torch.zeros(3, 5, dtype=f64)}, P("dp"))
+    with pytest.raises(ValueError, match=re.escape("a GlobalTensor of shape (3, 5), but the")):
+        ps.sharded_call(model, wrong, (x,))
+
+
+def test_a_unit_that_runs_differently_again_is_named() -> None:
+    """A Hugging Face model called with its default use_cache=True fills a cache in the forward,
+    so a unit's second run differs: the error names the unit."""
+    transformers = pytest.importorskip("transformers")
+    ps.init_mesh({"dp": 1})
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=50,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(config).double()
+    ids = torch.randint(0, 50, (2, 8))
+    params = ps.shard({k: v.detach() for k, v in model.named_parameters()}, P("dp"))
+    with pytest.raises(ValueError, match=re.escape("sharded_call unit 'transformer.h.1' (GPT2")):
+        grad(lambda p: ps.sharded_call(model, p, (ids,), {"labels": ids}).loss)(params)
+    loss = grad(
+        lambda p: ps.sharded_call(model, p, (ids,), {"labels": ids, "use_cache": False}).loss
+    )
+    ref = grad(
+        lambda p: functional_call(model, p, (ids,), {"labels": ids, "use_cache": False}).loss
+    )
+    whole = {k: v.detach() for k, v in model.named_parameters()}
+    _check(loss(params), ref(whole), params)
+
+
+def _per_rank_data_worker() -> list[str]:
+    """Data that differs per rank outside any map: each rank gets only its own gradient (the
+    convention outside a map); debug mode says so instead of returning it."""
+    ps.init_mesh({"dp": 2})
+    model, whole = _model()
+    x = torch.randn(4, 3, dtype=f64) + ps.axis_index("dp")  # another batch on each rank
+    params = ps.shard(whole, P("dp"))
+
+    def loss(p: dict) -> torch.Tensor:
+        return (ps.sharded_call(model, p, (x,)) ** 2).sum()
+
+    grad(loss)(params)  # no check without debug mode
+    with ps.debug(True):
+        try:
+            grad(loss)(params)
+        except ValueError as e:
+            return [str(e)]
+    return ["no error"]
+
+
+def test_per_rank_data_outside_a_map_is_an_error_in_debug_mode(pool: Any) -> None:
+    for (message,) in pool.run(2, _per_rank_data_worker):
+        assert "debug mode: the cotangent of the whole value differs between the ranks" in message

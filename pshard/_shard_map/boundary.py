@@ -74,6 +74,8 @@ class BlockLayout:
         rep: the mapped axes that do not split the leaf; ``None`` when their size is 1.
         label: the leaf's key path (``in_specs[0]['x']``) and spec, for error messages.
         fn: the function the errors name (``shard_map``, ``from_local``, ...).
+        back_check: debug mode's check that the cotangent a gather receives is the same on
+            every rank of a group (an axis group and the message), or ``None``.
     """
 
     shards: tuple[Shard | StridedShard, ...] = ()
@@ -84,6 +86,7 @@ class BlockLayout:
     rep: Comm | None = None
     label: str = ""
     fn: str = "shard_map"
+    back_check: tuple[Comm, str] | None = None
 
     @property
     def rep_size(self) -> int:
@@ -405,7 +408,7 @@ class FromBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         scale = ctx.scale if ctx.reduce else ctx.scale / ctx.lay.rep_size
-        return ToBlock.apply(g, ctx.lay, scale, None), None, None, None, None, None
+        return ToBlock.apply(g, ctx.lay, scale, ctx.lay.back_check), None, None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:

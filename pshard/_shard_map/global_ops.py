@@ -14,6 +14,7 @@ slice of the whole cotangent, of ``shard`` the gather of the blocks' cotangents,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -97,7 +98,18 @@ def global_spec(spec: Any, ndim: int, mesh: DeviceMesh, fn: str, where: str) -> 
 def global_layout(meta: GlobalMeta, view: MeshView, where: str) -> BlockLayout:
     """The boundary layout of a global value over every axis of its mesh, with no
     replication (cotangents of replicas are not summed)."""
-    return block_layout(meta.spec, len(meta.shape), where, view, replicated=False)
+    lay = block_layout(meta.spec, len(meta.shape), where, view, replicated=False)
+    if not view.debug or view.all is None:
+        return lay
+    back_check = (
+        view.all,
+        f"{view.fn} {where}: debug mode: the cotangent of the whole value differs between the "
+        f"ranks; outside a map every rank must compute the same result from the same whole "
+        f"values (a block's gradient is this rank's block of that cotangent, never summed over "
+        f"ranks). With data that differs per rank, map over the data axis: "
+        f"ps.shard_map(..., in_specs=(..., P('dp')))",
+    )
+    return dataclasses.replace(lay, back_check=back_check)
 
 
 def _view(mesh: DeviceMesh, fn: str) -> MeshView:

@@ -117,13 +117,10 @@ class _Gatherer:
         return _gather_block(value, self.spec, self.whole, self.name)
 
 
-def _axes_of(spec: Any, ndim: int, name: str) -> list[tuple[str, int]]:
+def _axes_of(spec: Any, name: str) -> list[tuple[str, int]]:
     """``(axis, dim)`` pairs of a block's spec, in the order the splits apply."""
     if spec is None or isinstance(spec, Replicate):
         return []
-    if isinstance(spec, Shard):
-        names = tuple(current_mesh().mesh_dim_names or ())
-        return [(a, spec.dim % ndim) for a in names]
     if isinstance(spec, P):
         out = []
         for d, entry in enumerate(spec):
@@ -131,8 +128,8 @@ def _axes_of(spec: Any, ndim: int, name: str) -> list[tuple[str, int]]:
                 out.append((a, d))
         return out
     raise TypeError(
-        f"{_FN} specs[{name!r}]: expected a P over the mesh axes, Shard(d), Replicate() or None "
-        f"as the spec of a block, got {describe(spec)}"
+        f"{_FN} specs[{name!r}]: expected a P over the mesh axes, Replicate() or None as the "
+        f"spec of a block, got {describe(spec)}"
     )
 
 
@@ -140,7 +137,7 @@ def _gather_block(
     block: torch.Tensor, spec: Any, whole: tuple[int, ...], name: str
 ) -> torch.Tensor:
     """The whole parameter from this rank's block (inside a map over the spec's axes)."""
-    pairs = _axes_of(spec, len(whole), name)
+    pairs = _axes_of(spec, name)
     if not pairs:
         return block
     mesh = current_mesh()
@@ -189,19 +186,25 @@ class _UnitCall:
     def __init__(
         self,
         unit: torch.nn.Module,
-        names: list[str],
+        name: str,
         local_names: list[str],
         gatherers: list[_Gatherer],
         metas: list[Any],
     ) -> None:
         self.unit = unit
-        self.names = names
+        self.__qualname__ = name  # how ps.checkpoint's errors name this call
         self.local_names = local_names
         self.gatherers = gatherers
         self.metas = metas
 
-    def __call__(self, blocks: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        whole = {}
+    def __call__(
+        self,
+        blocks: list[torch.Tensor],
+        extras: dict[str, torch.Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        whole = dict(extras)
         for local_name, gatherer, meta, block in zip(
             self.local_names, self.gatherers, self.metas, blocks, strict=True
         ):
@@ -268,13 +271,21 @@ def sharded_call(
     Two forms, told apart per parameter (they may be mixed):
 
     - **GlobalTensors** (outside any map, or passed through a map over other axes): the blocks
-      are gathered with :func:`pshard.gather` over the tensor's own mesh; ``args`` are whole.
+      are gathered with :func:`pshard.gather` over the tensor's own mesh; ``args`` are whole
+      and the same on every rank (outside a map a block's gradient is this rank's block of
+      the gradient of its own result, never summed over ranks: for data that differs per
+      rank, call it inside a ``shard_map`` over the data axis; debug mode checks this).
     - **Blocks inside a map** (the usual case, data sharded over ``"dp"`` too): ``params`` are
       the blocks ``fn`` received and ``specs`` their spec tree (the map's in_specs for them, a
       prefix tree of ``params``); each is gathered with :func:`pshard.all_gather` over its spec's
       axes (uneven blocks padded), whose transpose reduce-scatters the cotangent. The global
       shapes are the module's own parameters' (build the module on the ``meta`` device to hold
       no weights).
+
+    Each unit runs again in the backward (to gather its weights again), so what it computes
+    must depend on its arguments only: a cache the forward fills (a Hugging Face model's
+    default ``use_cache=True``) is an error naming the unit; pass ``use_cache=False``. Weights
+    tied across units (or a unit and the rest) are gathered once, with the rest.
 
     Gradients: exact under ``torch.func.grad`` / ``vjp`` and ``.backward()`` (blocks as leaf
     tensors), uneven and empty blocks included; they come back as blocks (GlobalTensors of the
@@ -289,8 +300,9 @@ def sharded_call(
             ``None`` / ``Replicate()``).
         args: the positional arguments of the call (a tuple, or a single value).
         kwargs: its keyword arguments.
-        specs: for blocks: a prefix tree of ``params`` of ``P`` specs (or ``Shard(d)``,
-            ``Replicate()``, ``None``); ignored for GlobalTensors, which carry their own.
+        specs: for blocks: a prefix tree of ``params`` of ``P`` specs naming the mesh axes
+            that split each block (the map's in_specs for them; ``None`` or ``Replicate()``
+            for whole tensors); ignored for GlobalTensors, which carry their own.
         units: module classes or a predicate ``module -> bool`` choosing the units; default the
             repeated blocks (children of a ``ModuleList`` whose class occurs twice or more).
 
@@ -298,9 +310,11 @@ def sharded_call(
         What ``module`` returns.
 
     Raises:
-        TypeError: ``units`` or a spec of the wrong kind.
-        ValueError: a name of ``params`` that is not a parameter or buffer of ``module``, or a
-            block whose shape is not this rank's block of the parameter under its spec.
+        TypeError: ``units``, a spec (``Shard(d)`` does not name the axes) or a value of
+            ``params`` of the wrong kind.
+        ValueError: a name of ``params`` that is not a parameter or buffer of ``module``, a
+            block whose shape is not this rank's block of the parameter under its spec, a
+            GlobalTensor or whole tensor of another shape than the module's parameter.
 
     Example:
         >>> import torch, pshard as ps
@@ -328,51 +342,113 @@ def sharded_call(
             f"{_FN}: params names {unknown[:5]} that module ({type(module).__name__}) has no "
             f"parameter or buffer of; use the names of module.named_parameters()"
         )
-    names = list(params)
-    values = [params[n] for n in names]
-    leaves, treedef = tree_flatten(dict(zip(names, values, strict=True)))
-    spec_list = (
-        broadcast_prefix_flat(specs, treedef, leaves, name="specs", fn_name=_FN)
-        if specs is not None
-        else [None] * len(leaves)
-    )
-    by_name = dict(zip(sorted(names), spec_list, strict=True))  # pshard's dicts flatten sorted
+    for n, v in params.items():
+        if not (is_global(v) or isinstance(v, torch.Tensor)):
+            raise TypeError(
+                f"{_FN} params[{n!r}]: expected a tensor or a GlobalTensor, got {describe(v)}"
+            )
+    by_name = _specs_by_name(params, specs)
+    for n, v in params.items():
+        _check_value(n, v, by_name[n], tuple(own[n].shape))
     unit_list = _find_units(module, units)
     prefixes = sorted((n for n, _ in unit_list), key=len, reverse=True)
+    shared = _shared_names(own, params, prefixes)
+    # every parameter or buffer given, under its name and its tied aliases
+    given = {alias: n for n in params for alias in shared.get(n, (n,))}
     members: dict[str, list[str]] = {p: [] for p, _ in unit_list}
     rest: dict[str, Any] = {}
-    for n in names:
-        owner = _owner(n, prefixes)
-        if owner is None:
-            v = params[n]
-            if is_global(v) or (isinstance(v, torch.Tensor) and by_name[n] is not None):
-                rest[n] = _Gatherer(n, by_name[n], tuple(own[n].shape))(v)
-            else:
-                rest[n] = v
-        else:
+    for n, v in params.items():
+        owner = None if n in shared else _owner(n, prefixes)
+        if owner is not None:
             members[owner].append(n)
+        elif is_global(v) or by_name[n] is not None:
+            rest[n] = _Gatherer(n, by_name[n], tuple(own[n].shape))(v)
+        else:
+            rest[n] = v
     calls: dict[int, tuple[torch.nn.Module, Callable[..., Any]]] = {}
     for prefix, unit in unit_list:
         mine = members[prefix]
+        # what else the unit reads: weights tied to the rest's (gathered there) and its own
+        # parameters and buffers that params does not give, passed in as arguments
+        extras: dict[str, torch.Tensor] = {}
+        tied_to_mine = {id(own[n]) for n in mine}  # functional_call ties those itself
+        for alias in own:
+            if _owner(alias, [prefix]) is None or id(own[alias]) in tied_to_mine:
+                continue
+            local_name = alias[len(prefix) + 1 :]
+            source = given.get(alias)
+            extras[local_name] = rest[source] if source is not None else own[alias]
         if not mine:
             continue
         blocks = [params[n].local if is_global(params[n]) else params[n] for n in mine]
-        metas = [params[n].meta if is_global(params[n]) else None for n in mine]
         run = _UnitCall(
             unit,
-            mine,
+            f"{_FN} unit {prefix!r} ({type(unit).__name__})",
             [n[len(prefix) + 1 :] for n in mine],
             [_Gatherer(n, by_name[n], tuple(own[n].shape)) for n in mine],
-            metas,
+            [params[n].meta if is_global(params[n]) else None for n in mine],
         )
         policy = save_anything_except_these_names(GATHER_NAME)
-        calls[id(unit)] = (unit, _bind(checkpoint(run, policy=policy), blocks))
+        calls[id(unit)] = (unit, _bind(checkpoint(run, policy=policy), blocks, extras))
     with _installed(calls):
         return torch.func.functional_call(module, rest, args, kwargs, strict=False)
 
 
-def _bind(fn: Callable[..., Any], blocks: list[torch.Tensor]) -> Callable[..., Any]:
+def _specs_by_name(params: Mapping[str, Any], specs: Any) -> dict[str, Any]:
+    """The spec of each value of ``params`` (``None`` for GlobalTensors and whole tensors)."""
+    names = list(params)
+    if specs is None:
+        return dict.fromkeys(names)
+    leaves, treedef = tree_flatten(dict(params))
+    flat = broadcast_prefix_flat(specs, treedef, leaves, name="specs", fn_name=_FN)
+    out = dict(zip(sorted(names), flat, strict=True))  # pshard's dicts flatten sorted
+    for n, s in out.items():
+        if isinstance(s, Shard):
+            raise TypeError(
+                f"{_FN} specs[{n!r}]: {s!r} does not say which mesh axes split the block; give "
+                f"the map's in_spec as a P naming them, e.g. P('dp') for dim 0 split over 'dp'"
+            )
+        if is_global(params[n]):
+            out[n] = None  # a GlobalTensor carries its own layout
+    return out
+
+
+def _check_value(name: str, v: Any, spec: Any, whole: tuple[int, ...]) -> None:
+    """A GlobalTensor of the parameter's shape, or a tensor of it (whole, no spec)."""
+    if is_global(v):
+        if tuple(v.shape) != whole:
+            raise ValueError(
+                f"{_FN} params[{name!r}]: a GlobalTensor of shape {tuple(v.shape)}, but the "
+                f"module's parameter has shape {whole}"
+            )
+    elif spec is None and tuple(v.shape) != whole:
+        raise ValueError(
+            f"{_FN} params[{name!r}]: a tensor of shape {tuple(v.shape)}, but the module's "
+            f"parameter has shape {whole}; if it is the block a map gave, pass the map's "
+            f"in_spec for it in specs= (e.g. specs=P('dp'))"
+        )
+
+
+def _shared_names(
+    own: Mapping[str, torch.Tensor], params: Mapping[str, Any], prefixes: list[str]
+) -> dict[str, tuple[str, ...]]:
+    """name of ``params`` -> all its aliases, for the weights tied across units (or a unit and
+    the rest): those are gathered once with the rest and handed to every unit that uses them."""
+    aliases: dict[int, list[str]] = {}
+    for alias, tensor in own.items():
+        aliases.setdefault(id(tensor), []).append(alias)
+    out = {}
+    for n in params:
+        group = aliases[id(own[n])]
+        if len(group) > 1 and len({_owner(a, prefixes) for a in group}) > 1:
+            out[n] = tuple(group)
+    return out
+
+
+def _bind(
+    fn: Callable[..., Any], blocks: list[torch.Tensor], extras: dict[str, torch.Tensor]
+) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(blocks, *args, **kwargs)
+        return fn(blocks, extras, *args, **kwargs)
 
     return call
