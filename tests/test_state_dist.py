@@ -202,7 +202,7 @@ def _load2_worker(path: str) -> int:
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "load tree['rng_rank']: the 4 saving ranks held different RNG states and this world "
+            "load like['rng_rank']: the 4 saving ranks held different RNG states and this world "
             "has 2 ranks"
         ),
     ):
@@ -298,10 +298,46 @@ def test_debug_mode_checks_replicated_blocks(pool: Any, tmp_path: Path) -> None:
             "save tree['model']['w']: debug mode: the GlobalTensor's spec P('dp', None) replicates "
             "its block over mesh axes ('tp',) of mesh {'dp': 2, 'tp': 2}, but those ranks hold "
             "different blocks; a checkpoint keeps one copy of a replicated block, so pass the same "
-            "block on each of them; global ranks holding equal values: [2] vs [3]"
+            "block on each of them; global ranks holding equal values: [2] vs [3] (on ranks 2, "
+            "3 of 4)"
         ]
         * 4
     )
+
+
+def _one_rank_worker(path: str) -> list[str]:
+    ps.init_mesh({"dp": 2})
+    rank = dist.get_rank()
+    w = ps.shard(_whole(5, 3, seed=8), P("dp"))
+    out = []
+    for tree in (
+        {"w": w, "x": object() if rank == 1 else 1},  # a bad leaf on rank 1 only
+        {"w": optree.tree_map(lambda t: t[:1], w) if rank == 1 else w},  # a bad block there
+        {"x": object()},  # on every rank: no rank named
+    ):
+        with pytest.raises((TypeError, ValueError)) as info:
+            save(path, tree)
+        out.append(f"{type(info.value).__name__}: {info.value}")
+    assert not os.path.exists(path)
+    return out
+
+
+def test_a_mistake_on_one_rank_names_it(pool: Any, tmp_path: Path) -> None:
+    messages = pool.run(2, _one_rank_worker, str(tmp_path / "ckpt"))
+    assert messages[0] == messages[1]
+    leaf = (
+        "save tree['x']: an object; a checkpoint holds GlobalTensors, tensors, int, float, str, "
+        "bool, None and ps.RngState (plain data, never a pickle): convert it to those (a dict of "
+        "them for an object's state)"
+    )
+    assert messages[0] == [
+        f"TypeError: {leaf} (on rank 1 of 2)",
+        "ValueError: save tree['w']: the GlobalTensor's block has shape (1, 3), but its spec "
+        "P('dp', None) and global shape (5, 3) give this rank (dp=1) of mesh {'dp': 2} a block "
+        "of shape (2, 3), so the checkpoint would not load; save GlobalTensors whose blocks fit "
+        "their layout (ps.from_local(block, spec, global_shapes=...) checks it) (on rank 1 of 2)",
+        f"TypeError: {leaf}",
+    ]
 
 
 # --------------------------------------------------------------------------- resume

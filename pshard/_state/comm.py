@@ -8,7 +8,8 @@ the caller's collectives go on), :class:`LocalComm` for a process without a proc
 :func:`agree` runs one step on every rank and makes a failure anywhere a failure everywhere: a
 rank that raised raises its own exception, the others a :class:`RuntimeError` naming it, so
 no rank waits for a partner that gave up and every rank leaves the save the same way (a
-``ValueError`` or ``TypeError``, a mistake in the call, is raised on every rank as it is).
+``ValueError`` or ``TypeError``, a mistake in the call, is raised on every rank with its
+message, which ends with the ranks that found it, ``(on rank 1 of 2)``, unless every rank did).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class _Failed:
     user_error: bool  # a ValueError or TypeError: the same mistake on every rank
     kind: str
     text: str
+    raised: str = ""  # the message as raised, where ``text`` adds the ranks that raised it
 
 
 def _failed(rank: int, e: Exception) -> _Failed:
@@ -105,11 +107,26 @@ def _failed(rank: int, e: Exception) -> _Failed:
 
 
 def _failure(outcomes: list[Any]) -> _Failed | None:
-    return next((o for o in outcomes if isinstance(o, _Failed)), None)
+    """The first rank's failure; a mistake found on some ranks only names them."""
+    failed = next((o for o in outcomes if isinstance(o, _Failed)), None)
+    if failed is None or not failed.user_error:
+        return failed
+    ranks = [
+        r
+        for r, o in enumerate(outcomes)
+        if isinstance(o, _Failed) and (o.kind, o.text) == (failed.kind, failed.text)
+    ]
+    if len(ranks) == len(outcomes):
+        return failed
+    held = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    text = f"{failed.text} (on {held} of {len(outcomes)})"
+    return dataclasses.replace(failed, text=text, raised=failed.text)
 
 
 def _raise(failed: _Failed, mine: BaseException | None, what: str) -> None:
     if mine is not None:
+        if failed.raised and (type(mine).__name__, str(mine)) == (failed.kind, failed.raised):
+            mine.args = (failed.text,)  # this rank's own mistake, with the ranks that made it
         raise mine
     if failed.user_error:
         raise (ValueError if failed.kind == "ValueError" else TypeError)(failed.text)
@@ -130,7 +147,8 @@ def agree(
     Raises:
         BaseException: the exception ``local`` or ``central`` raised on this rank.
         ValueError, TypeError: another rank's step raised it (a mistake in the call: every
-            rank raises it, with its message).
+            rank raises it, with its message and, unless every rank raised it, the ranks that
+            did).
         RuntimeError: another rank's step failed otherwise (its message is named).
     """
     mine: BaseException | None = None

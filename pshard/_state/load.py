@@ -412,14 +412,14 @@ def load(path: str | os.PathLike[str], like: Any, *, partial: bool = False) -> A
         read_into({key: p[0] for key, p in prepared.items()}, ckpt.directory, ckpt.dcp)
     rank, world = _world()
     out = []
-    for (key, _, _), w in zip(keys, wants, strict=True):
+    for (key, _, here), w in zip(keys, wants, strict=True):
         r = ckpt.records[key]
         if key in prepared:
             out.append(prepared[key][1]())
         elif w.kind == "value":
             out.append(r.value)
         elif w.kind == "rng":
-            out.append(r.rng_for(rank, world, fn))
+            out.append(r.rng_for(rank, world, f"{fn} {here}"))
         else:
             out.append(None)
     return tree_unflatten(treedef, out)

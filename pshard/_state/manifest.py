@@ -167,13 +167,14 @@ class LeafRecord:
         if self.kind == "object":
             return SavedObject(self.fqn)
         try:
-            return self.rng_for(rank, world, source)
+            return self.rng_for(rank, world, f"{source} {where(self.path)}")
         except ValueError:  # load refuses it; the metadata shows rank 0's
             return self.rng[0]
 
-    def rng_for(self, rank: int, world: int, source: str) -> RngState:
+    def rng_for(self, rank: int, world: int, here: str) -> RngState:
         """The RNG state rank ``rank`` of a world of ``world`` ranks takes: the one it saved on
-        the same world size, or the one every rank saved.
+        the same world size, or the one every rank saved. ``here`` names the caller and the
+        leaf in errors (``load like['rng']``).
 
         Raises:
             ValueError: the ranks saved different states and the world size changed.
@@ -184,10 +185,10 @@ class LeafRecord:
         if all(s == states[0] for s in states):
             return states[0]
         raise ValueError(
-            f"{source} {where(self.path)}: the {len(states)} saving ranks held different RNG "
-            f"states and this world has {world} ranks, so no rank's state is the one to take; "
-            f"load on {len(states)} ranks, save one state that every rank shares, or leave "
-            f"this key out (ps.load(path, like, partial=True))"
+            f"{here}: the {len(states)} saving ranks held different RNG states and this world "
+            f"has {world} ranks, so no rank's state is the one to take; load on {len(states)} "
+            f"ranks, save one state that every rank shares, or leave this key out "
+            f"(ps.load(path, like, partial=True))"
         )
 
 
