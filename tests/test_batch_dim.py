@@ -587,11 +587,27 @@ def test_no_split_inputs_gives_replicate():
 # ----------------------------------------------------------------------------- cache
 
 
-def test_traced_once_per_signature():
-    calls = []
+@pytest.fixture
+def traces(monkeypatch):
+    """The traces batch-dim inference runs (each trace's non-tensor inputs), counted outside
+    the traced function (state the function reads is part of the cache key)."""
+    from pshard._microbatch import batch_dim
+
+    seen = []
+    original = batch_dim._trace_out_specs
+
+    def counting(where, fn, treedef, leaves, *rest):
+        seen.append([x for x in leaves if not isinstance(x, torch.Tensor)])
+        return original(where, fn, treedef, leaves, *rest)
+
+    monkeypatch.setattr(batch_dim, "_trace_out_specs", counting)
+    return seen
+
+
+def test_traced_once_per_signature(traces):
+    calls = traces
 
     def fn(x, w):
-        calls.append(1)
         return x @ w, (x @ w).mean()
 
     w = torch.randn(3, 2)
@@ -609,11 +625,39 @@ def test_traced_once_per_signature():
     assert len(calls) == 3
 
 
-def test_clear_caches_traces_again_with_the_same_answer():
-    calls = []
+def test_state_the_function_reads_is_part_of_the_cache_key():
+    """Results never depend on what was cached: a module's flag or a closure's dict that
+    changes how the output reduces over the batch is seen at the next call."""
+    import pshard as ps
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.reduction = "sum"
+
+        def forward(self, x):
+            return x.sum() if self.reduction == "sum" else x.mean()
+
+    loss, x = Loss(), torch.arange(8.0)
+    f = ps.pmap_microbatch(loss, num_microbatches=2)
+    assert f(x).item() == 28.0
+    loss.reduction = "mean"
+    assert f(x).item() == 3.5
+    mode = {"m": "sum"}
+
+    def g(x):
+        return x.sum() if mode["m"] == "sum" else x.amax()
+
+    h = ps.pmap_microbatch(g, num_microbatches=2)
+    assert h(x).item() == 28.0
+    mode["m"] = "max"
+    assert h(x).item() == 7.0
+
+
+def test_clear_caches_traces_again_with_the_same_answer(traces):
+    calls = traces
 
     def fn(x, w):
-        calls.append(1)
         return x @ w, (x @ w).mean()
 
     x, w = torch.randn(8, 3), torch.randn(3, 2)
@@ -625,11 +669,8 @@ def test_clear_caches_traces_again_with_the_same_answer():
     assert len(calls) == 2
 
 
-def test_cache_distinguishes_python_values_and_specs():
-    calls = []
-
+def test_cache_distinguishes_python_values_and_specs(traces):
     def fn(x, dim):
-        calls.append(dim)
         return x.sum(dim)
 
     x = torch.randn(4, 3)
@@ -637,22 +678,21 @@ def test_cache_distinguishes_python_values_and_specs():
     assert infer(fn, x, 1) == S0
     assert infer(fn, x, 1) == S0
     assert infer(fn, x.T, 0, in_specs=(S1, None)) == S0
-    assert calls == [0, 1, 0]
+    assert traces == [[0], [1], [0]]
 
 
-def test_bound_methods_hit_and_do_not_keep_the_instance_alive():
+def test_bound_methods_hit_and_do_not_keep_the_instance_alive(traces):
     class Model:
         def __init__(self):
-            self.calls = 0
+            self.scale = 2.0
 
         def forward(self, x):
-            self.calls += 1
-            return x.mean(), x
+            return x.mean() * self.scale, x
 
     model = Model()
     for _ in range(3):
         assert infer(model.forward, torch.randn(4, 3)) == (MEAN, S0)
-    assert model.calls == 1
+    assert len(traces) == 1
     ref = weakref.ref(model)
     del model
     gc.collect()

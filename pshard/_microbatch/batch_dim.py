@@ -47,6 +47,7 @@ from .._core.tree import (
 )
 from .batch_kinds import CONST, Kind, describe_kind
 from .batch_trace import Trace, is_fake
+from .fn_state import state_key
 from .split import Inputs, resolve_inputs
 
 __all__ = ["infer_out_specs", "out_specs_of_inputs"]
@@ -402,10 +403,14 @@ def out_specs_of_inputs(
     treedef = optree.treespec_tuple(inputs.defs, namespace=NAMESPACE)
     leaves, specs = inputs.leaves, inputs.specs
     signature = _signature(treedef, leaves, specs, split_dims)
-    if signature is not None:  # and everything else the answer depends on
+    state = state_key(fn)
+    if signature is not None and state is not None:  # and everything else the answer depends on
         signature = (
-            signature, allow_ratio, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+            signature, state, allow_ratio, torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
         )  # fmt: skip
+    else:
+        signature = None
     cached = None if signature is None else _CACHE.get(fn, signature)
     if cached is None:
         cached = _trace_out_specs(where, fn, treedef, leaves, split_dims, allow_ratio)
