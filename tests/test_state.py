@@ -413,6 +413,14 @@ def test_async_save_failure_is_in_the_future(tmp_path: Path, monkeypatch: Any) -
 # --------------------------------------------------------------------------- errors
 
 
+@pytest.mark.parametrize("name", ["save", "load", "load_metadata", "RngState"])
+def test_docstring_examples_use_the_public_names(name: str) -> None:
+    doc = getattr(ps, name).__doc__
+    example = doc[doc.index("Example:") :]
+    assert "pshard._" not in example and "pshard as ps" in example
+    assert f"ps.{name}" in example
+
+
 def _noop() -> None:
     pass
 

@@ -139,12 +139,10 @@ def load_metadata(path: str | os.PathLike[str]) -> Any:
 
     Example:
         >>> import tempfile, torch, pshard as ps
-        >>> from pshard._state.save import save
-        >>> from pshard._state.load import load_metadata
         >>> mesh = ps.init_mesh({"dp": 1})
         >>> path = tempfile.mkdtemp() + "/ckpt"
-        >>> save(path, {"w": ps.shard(torch.ones(4, 2), ps.P("dp")), "lr": 0.1})
-        >>> meta = load_metadata(path)
+        >>> ps.save(path, {"w": ps.shard(torch.ones(4, 2), ps.P("dp")), "lr": 0.1})
+        >>> meta = ps.load_metadata(path)
         >>> meta["lr"], meta["w"].shape, meta["w"].dtype, meta["w"].spec
         (0.1, (4, 2), torch.float32, P('dp', None))
     """
@@ -375,14 +373,12 @@ def load(path: str | os.PathLike[str], like: Any, *, partial: bool = False) -> A
 
     Example:
         >>> import tempfile, torch, pshard as ps
-        >>> from pshard._state.save import save
-        >>> from pshard._state.load import load, load_metadata
         >>> mesh = ps.init_mesh({"dp": 1})
         >>> path = tempfile.mkdtemp() + "/ckpt"
-        >>> save(path, {"w": ps.shard(torch.arange(4.0), ps.P("dp")), "step": 7})
-        >>> load(path, {"w": torch.empty(4), "step": 0})
+        >>> ps.save(path, {"w": ps.shard(torch.arange(4.0), ps.P("dp")), "step": 7})
+        >>> ps.load(path, {"w": torch.empty(4), "step": 0})
         {'w': tensor([0., 1., 2., 3.]), 'step': 7}
-        >>> load(path, load_metadata(path))["w"].spec
+        >>> ps.load(path, ps.load_metadata(path))["w"].spec
         P('dp')
     """
     fn = "load"

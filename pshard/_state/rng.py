@@ -31,9 +31,8 @@ class RngState:
         cuda: one state per CUDA device, ``()`` when CUDA was not initialised.
 
     Example:
-        >>> import torch
-        >>> from pshard._state.rng import RngState
-        >>> state = RngState.capture()
+        >>> import torch, pshard as ps
+        >>> state = ps.RngState.capture()
         >>> a = torch.rand(3)
         >>> state.restore()
         >>> torch.equal(torch.rand(3), a)

@@ -98,13 +98,11 @@ def save(
 
     Example:
         >>> import tempfile, torch, pshard as ps
-        >>> from pshard._state.save import save
-        >>> from pshard._state.load import load
         >>> mesh = ps.init_mesh({"dp": 1})
         >>> state = {"w": ps.shard(torch.arange(6.0).reshape(3, 2), ps.P("dp")), "step": 3}
         >>> path = tempfile.mkdtemp() + "/ckpt"
-        >>> save(path, state)
-        >>> back = load(path, state)
+        >>> ps.save(path, state)
+        >>> back = ps.load(path, state)
         >>> torch.equal(back["w"].local, state["w"].local), back["step"]
         (True, 3)
     """
