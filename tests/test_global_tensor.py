@@ -206,6 +206,8 @@ def test_single_process_round_trips(mesh: object) -> None:
     assert torch.equal(made.local, whole["w"])
     local = ps.from_local({"w": whole["w"]}, ps.P("dp"))
     assert local["w"].local is whole["w"] and local["w"].shape == (5, 3)
+    listed = ps.from_local({"w": whole["w"]}, ps.P("dp"), global_shapes={"w": [5, 3]})
+    assert listed["w"].meta == local["w"].meta
     d = ps.to_dtensor(params["w"])
     storage = params["w"].local.untyped_storage().data_ptr()
     assert d.to_local().untyped_storage().data_ptr() == storage

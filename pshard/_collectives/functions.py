@@ -93,8 +93,9 @@ def _map_leaves(
         if is_global(leaf):
             raise TypeError(
                 f"{fn}: {path(i)()} is {describe(leaf)}; collectives work on this rank's "
-                f"blocks inside a map: pass it through ps.shard_map (fn receives its block), "
-                f"or get the whole value with ps.gather"
+                f"blocks inside a map over the axes that split it: pass it through "
+                f"ps.shard_map over those axes (fn receives its block), or get the whole "
+                f"value with ps.gather"
             )
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(

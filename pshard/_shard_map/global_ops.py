@@ -206,7 +206,7 @@ class _Shape:
 
 
 def _is_shape(s: Any) -> bool:
-    return isinstance(s, (tuple, torch.Size)) and all(
+    return isinstance(s, (tuple, list, torch.Size)) and all(
         isinstance(i, int) and not isinstance(i, bool) for i in s
     )
 
@@ -237,7 +237,7 @@ def from_local(
         tree: a pytree of blocks (other leaves pass through under a ``None`` spec).
         specs: a prefix tree of ``tree``, as for :func:`shard`.
         mesh: the mesh; default :func:`pshard.current_mesh`.
-        global_shapes: a prefix tree of ``tree`` of global shapes (tuples of ints), or
+        global_shapes: a prefix tree of ``tree`` of global shapes (tuples or lists of ints), or
             ``None`` to learn them by exchanging the blocks' shapes over the axes that split
             them (one small all-gather per leaf; every rank must call).
 
