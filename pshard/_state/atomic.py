@@ -105,9 +105,9 @@ def _listing(entries: list[Path]) -> str:
 
 def check_target(path: Path, fn: str) -> None:
     """Raise unless ``path`` may be replaced by a checkpoint: it does not exist, or is a
-    directory each of whose entries pshard or DCP writes (``.metadata`` that parses as DCP's
-    metadata, ``__<rank>_<n>.distcp``, ``pshard.json`` that is a manifest): an empty directory
-    or a checkpoint, never a directory holding anything else.
+    directory each of whose entries is a file pshard or DCP writes (``.metadata`` that parses
+    as DCP's metadata, ``__<rank>_<n>.distcp``, ``pshard.json`` that is a manifest,
+    ``.metadata.tmp``): an empty directory or a checkpoint, never one holding anything else.
 
     Raises:
         ValueError: ``path`` is a file, or a directory holding something else (each such

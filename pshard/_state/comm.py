@@ -111,16 +111,21 @@ def _failure(outcomes: list[Any]) -> _Failed | None:
     failed = next((o for o in outcomes if isinstance(o, _Failed)), None)
     if failed is None or not failed.user_error:
         return failed
-    ranks = [
-        r
-        for r, o in enumerate(outcomes)
-        if isinstance(o, _Failed) and (o.kind, o.text) == (failed.kind, failed.text)
-    ]
+    ranks: list[int] = []
+    others: list[int] = []
+    for r, o in enumerate(outcomes):
+        if isinstance(o, _Failed):
+            same = (o.kind, o.text) == (failed.kind, failed.text)
+            (ranks if same else others).append(r)
     if len(ranks) == len(outcomes):
         return failed
-    held = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-    text = f"{failed.text} (on {held} of {len(outcomes)})"
+    text = f"{failed.text} (on {_ranks(ranks)} of {len(outcomes)}"
+    text += f"; {_ranks(others)} raised another)" if others else ")"
     return dataclasses.replace(failed, text=text, raised=failed.text)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _raise(failed: _Failed, mine: BaseException | None, what: str) -> None:
