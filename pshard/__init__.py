@@ -34,6 +34,7 @@ from ._microbatch.batch_dim import infer_out_specs as infer_out_specs
 from ._microbatch.merge import merge as merge
 from ._microbatch.pmap import pmap_microbatch as pmap_microbatch
 from ._microbatch.split import split as split
+from ._remat.checkpoint import CheckpointModule as CheckpointModule
 from ._remat.checkpoint import checkpoint as checkpoint
 from ._remat.checkpoint import remat as remat
 from ._remat.names import checkpoint_name as checkpoint_name
@@ -76,6 +77,7 @@ from .sequence._ulysses import ulysses_attention as ulysses_attention
 from .sequence._usp import usp_attention as usp_attention
 
 __all__ = [
+    "CheckpointModule",
     "save",
     "RngState",
     "SavedTensor",
