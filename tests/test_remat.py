@@ -425,6 +425,51 @@ def test_random_ops_draw_the_same_numbers_in_the_recompute() -> None:
         assert torch.equal(after, state)  # the global generator ends where it would
 
 
+def _random_step(f: Callable, w: torch.Tensor, how: str) -> Any:
+    """The gradient of ``f(w).square().sum()`` under ``how`` from seed 4, and the generator's
+    state after the step and one more draw."""
+    torch.manual_seed(4)
+    if how == "grad":
+        g = grad(lambda w: f(w).square().sum())(w)
+    else:
+        w = w.clone().requires_grad_()
+        f(w).square().sum().backward()
+        g = w.grad
+    return g, torch.get_rng_state(), torch.rand(3)
+
+
+@pytest.mark.parametrize("how", ["grad", "backward"])
+def test_random_ops_in_nested_checkpoints(how: str) -> None:
+    """The outer recompute runs the inner checkpoint's forward again: that forward draws the
+    numbers of the first one, and the inner backward draws them once more."""
+    x, w = randn(3, 4), randn(4, 4)
+
+    def inner(a):
+        return F.dropout(torch.tanh(x @ a), p=0.3, training=True)
+
+    def middle(inner: Callable) -> Callable:
+        def f(a):
+            before = torch.rand(4, dtype=f64)  # a draw of the outer checkpoint before the inner
+            return (inner(a) * before) @ a * (1 + torch.rand((), dtype=f64))
+
+        return f
+
+    plain = middle(inner)
+    nested = {
+        "inner only": middle(checkpoint(inner)),
+        "outer only": checkpoint(middle(inner)),
+        "both": checkpoint(middle(checkpoint(inner))),
+        "both, dots": checkpoint(middle(checkpoint(inner, policy=cp.dots_saveable))),
+        "three": checkpoint(lambda a: checkpoint(middle(checkpoint(inner)))(a).sin()),
+    }
+    for name, f in nested.items():
+        want = _random_step((lambda a: plain(a).sin()) if name == "three" else plain, w, how)
+        got = _random_step(f, w, how)
+        close(got[0], want[0])
+        assert torch.equal(got[1], want[1]), name  # the generator ends where it would
+        close(got[2], want[2])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_random_ops_on_cuda() -> None:
     def f(w, x):

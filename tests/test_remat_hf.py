@@ -13,6 +13,7 @@ import torch
 from torch.func import functional_call, grad
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import pshard as ps
 from pshard._remat.checkpoint import checkpoint
 from pshard._remat.policies import checkpoint_policies as cp
 
@@ -93,3 +94,42 @@ def test_llama_gradient_checkpointing_under_backward() -> None:
     model(ids, labels=ids, use_cache=False).loss.backward()
     for (k, a), (_, b) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_gpt2_with_dropout_in_sharded_call_units() -> None:
+    """sharded_call's units are checkpoints, and the model's own gradient checkpointing pointed
+    at ps.checkpoint nests one inside each: with dropout, every recompute draws the forward's
+    masks (the outer recompute runs the inner checkpoint's forward again)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ps.init_mesh({"dp": 1})
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=V,
+        n_positions=16,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config).double().train()
+    ids = torch.randint(0, V, (2, 8))
+    kwargs = {"labels": ids, "use_cache": False}
+    whole = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def step(loss: Any, params: Any) -> Any:
+        torch.manual_seed(1)
+        return grad(loss)(params), torch.get_rng_state()
+
+    want, state = step(lambda p: functional_call(model, p, (ids,), kwargs).loss, whole)
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
+    params = ps.shard(whole, ps.P("dp"))
+    got, after = step(lambda p: ps.sharded_call(model, p, (ids,), kwargs).loss, params)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(ps.gather(got[k]), want[k], rtol=1e-9, atol=1e-12, msg=k)
+    assert torch.equal(after, state)

@@ -112,6 +112,14 @@ class Replayer(compat.TorchDispatchMode):
         )
         self._unread = set() if forward_mode else _unread(tape, set(self._returned))
 
+    def __enter__(self) -> Replayer:
+        # the forward's generator states from the start, not from the first draw seen here: a
+        # checkpoint nested inside records the states it sees before its draws reach this mode
+        if self._rewind is not None:
+            self._rewind.start()
+        super().__enter__()
+        return self
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
@@ -126,8 +134,6 @@ class Replayer(compat.TorchDispatchMode):
             return out
         key, tensors = key_of(func, args, kwargs, self._sources, None)
         if kind == "random":
-            if self._rewind is not None:
-                self._rewind.start()
             key = ("random", self._random)
             self._random += 1
         j, again = None, False

@@ -1,9 +1,12 @@
 """Random generator states: the recompute draws the numbers its forward drew.
 
 The forward records the states when it first draws (:func:`capture`); the recompute sets them
-when it first draws and puts the states of the backward back when it is done (:class:`Rewind`),
-so the global generators end where a step without a checkpoint leaves them. CPU and every
-initialised CUDA device, as ``torch.utils.checkpoint`` does.
+before it runs anything and puts the states of the backward back when it is done
+(:class:`Rewind`), so the global generators end where a step without a checkpoint leaves them.
+Setting them at the start matters for nesting: the outer recompute runs an inner checkpoint's
+forward again, which records the states it sees at its own first draw, before that draw
+reaches the outer recompute. CPU and every initialised CUDA device, as
+``torch.utils.checkpoint`` does.
 """
 
 from __future__ import annotations
