@@ -244,28 +244,28 @@ def _setup(mode: str, data: tuple[Any, Any], width: int, layers: int, rows: int)
             model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
         )
 
-        def step(i: int) -> torch.Tensor:
+        def module_step(i: int) -> torch.Tensor:
             loss = ((model(x) - y) ** 2).mean()  # FSDP2 averages the ranks' gradients
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        def state() -> list[torch.Tensor]:
+        def module_state() -> list[torch.Tensor]:
             out = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
             for s in opt.state.values():
                 out += [getattr(t, "to_local", lambda t=t: t)() for t in s.values() if t.dim()]
             return out
 
-        return step, state
+        return module_step, module_state
 
-    params = {}
+    params: dict[str, Any] = {}
     for i, k in enumerate(shapes):
         whole = _whole(k, shapes[k], i)
         params[k] = ps.shard(whole, ps.P("dp")) if mode.startswith("pshard") else whole
         del whole
-    m = optree.tree_map(torch.zeros_like, params)
-    v = optree.tree_map(torch.zeros_like, params)
+    m: Any = optree.tree_map(torch.zeros_like, params)  # type: ignore[arg-type]
+    v: Any = optree.tree_map(torch.zeros_like, params)  # type: ignore[arg-type]
     total = rows * width
 
     def tail(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -289,11 +289,13 @@ def _setup(mode: str, data: tuple[Any, Any], width: int, layers: int, rows: int)
 
     def step(i: int) -> torch.Tensor:
         grads, loss = grad_and_value(params, x, y)
-        optree.tree_map(lambda p, g, m, v: _adamw_(p, g, m, v, i), params, grads, m, v)
+        update = lambda p, g, m, v: _adamw_(p, g, m, v, i)  # noqa: E731
+        optree.tree_map(update, params, grads, m, v)  # type: ignore[arg-type]
         return loss
 
     def state() -> list[torch.Tensor]:
-        return [t for t in optree.tree_leaves((params, m, v)) if isinstance(t, torch.Tensor)]
+        leaves: list[Any] = optree.tree_leaves((params, m, v))  # type: ignore[arg-type]
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
 
     return step, state
 
