@@ -470,6 +470,47 @@ def test_random_ops_in_nested_checkpoints(how: str) -> None:
         close(got[2], want[2])
 
 
+@pytest.mark.parametrize("how", ["grad", "backward"])
+def test_random_ops_with_an_explicit_generator(how: str) -> None:
+    """Draws from a generator given as ``generator=`` are the forward's in the recompute too,
+    and that generator ends where the step without a checkpoint leaves it."""
+    x, w = randn(3, 4), randn(4, 4)
+    gen, other = torch.Generator(), torch.Generator()
+
+    def f(a):
+        h = torch.tanh(x @ a) * torch.randn(3, 4, dtype=f64, generator=gen)
+        h = h * torch.empty(3, 4, dtype=f64).bernoulli_(0.7, generator=other)
+        return (h + torch.rand(3, 4, dtype=f64)) @ a * torch.rand((), dtype=f64, generator=gen)
+
+    def step(g: Callable) -> Any:
+        gen.manual_seed(5)
+        other.manual_seed(6)
+        grads, state, draws = _random_step(g, w, how)
+        return grads, state, draws, gen.get_state(), other.get_state()
+
+    want = step(f)
+    for name, g in {"one": checkpoint(f), "nested": checkpoint(lambda a: checkpoint(f)(a))}.items():
+        got = step(g)
+        close(got[0], want[0])
+        for a, b in zip(got[1:], want[1:], strict=True):
+            assert torch.equal(a, b), name  # every generator ends where it would
+
+    # reseeded between the forward and the backward: the recompute draws the forward's numbers
+    # and leaves the generator where the reseed put it
+    def pullback(g: Callable, reseed: bool) -> torch.Tensor:
+        torch.manual_seed(4)
+        gen.manual_seed(5)
+        other.manual_seed(6)
+        _, pull = vjp(g, w)
+        if reseed:
+            gen.manual_seed(7)
+        return pull(torch.ones(3, 4, dtype=f64))[0]
+
+    got = pullback(checkpoint(f), True)
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(7).get_state())
+    close(got, pullback(f, False))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_random_ops_on_cuda() -> None:
     def f(w, x):

@@ -22,7 +22,8 @@ masks) by their shape and dtype alone, since the recompute may take them from a 
 the forward computed them (``shard_map_seq``'s positions), so calls that differ only in them
 are told apart by their order. Random draws are known by their place among the draws, and
 never kept: the recompute draws the same numbers again from the generator states the forward
-had at its first draw (:mod:`pshard._remat.rng`).
+had at its first draw, those of explicit ``generator=`` arguments included
+(:mod:`pshard._remat.rng`).
 
 Internal interface (for :mod:`pshard._remat.replay`): :class:`Sources`, :func:`key_of`,
 :func:`new_source`, :func:`traced`, :func:`fresh_outputs`, :func:`bind_outputs`.
@@ -49,7 +50,7 @@ from .ops import (
     written,
 )
 from .policies import Policy
-from .rng import RngStates, capture
+from .rng import RngStates, before_draw
 
 __all__ = [
     "Entry",
@@ -312,8 +313,7 @@ class Recorder(compat.TorchDispatchMode):
             return out
         key, tensors = key_of(func, args, kwargs, self._sources, None)
         if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
-            if tape.rng is None:
-                tape.rng = capture()
+            tape.rng = before_draw(tape.rng, args, kwargs)
             key = ("random", self._random)
             self._random += 1
         if torch.is_grad_enabled():
