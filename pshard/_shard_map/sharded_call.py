@@ -290,7 +290,9 @@ def sharded_call(
     Gradients: exact under ``torch.func.grad`` / ``vjp`` and ``.backward()`` (blocks as leaf
     tensors), uneven and empty blocks included; they come back as blocks (GlobalTensors of the
     same layout, or blocks of the map's input). Per-rank peak: the blocks, the rest's gathered
-    parameters, one gathered unit and the activations.
+    parameters, one gathered unit and the activations. Under ``torch.func.grad`` what runs
+    outside the units (the loss) keeps its graph until the whole gradient is done: put it in
+    :func:`pshard.checkpoint` too to free those activations, as ``.backward()`` would.
 
     Args:
         module: the model. Its own parameters are not used where ``params`` has a value (they
