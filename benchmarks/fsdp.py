@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -64,6 +63,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _memory import peak_mib, rss_mib, trim  # noqa: E402
 
 # name -> (label, sharded over the ranks)
 MODES = {
@@ -75,27 +76,6 @@ MODES = {
 }
 DEFAULT_MODES = ("fsdp2", "pshard", "one")
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _trim() -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # pragma: no cover - not glibc
-        pass
 
 
 class _PeakWatch:
@@ -117,7 +97,7 @@ class _PeakWatch:
         import traceback
 
         while not self._stop.is_set():
-            rss = _rss_mib() - self.base
+            rss = rss_mib() - self.base
             if rss > self.top:
                 frame = sys._current_frames().get(self._main)
                 self.top = rss
@@ -315,8 +295,8 @@ def run(
     if mode == "fsdp2":
         import torch.distributed.fsdp  # noqa: F401  (imported before the baseline)
     data = _place(mode, rows, width)
-    _trim()
-    base = _rss_mib()  # everything below is counted
+    trim()
+    base = rss_mib()  # everything below is counted
     watch = _PeakWatch(base) if where and rank == 0 else None
     step, state = _setup(mode, data, width, layers, rows)
     times: list[float] = []
@@ -331,14 +311,14 @@ def run(
         times.append(time.perf_counter() - start)
     if prof is not None:
         prof.__exit__(None, None, None)
-    peak = _peak_mib() - base
+    peak = peak_mib() - base
     state_mib = _storage_mib(state())
-    _trim()
+    trim()
     out = {
         "losses": losses,
         "step": statistics.median(times[1:] or times),
         "peak": peak,
-        "held": _rss_mib() - base,
+        "held": rss_mib() - base,
         "state": state_mib,
     }
     if watch is not None:

@@ -28,9 +28,7 @@ most ceil(1/N) of the whole.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import resource
 import statistics
 import sys
 import time
@@ -40,24 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # pragma: no cover - not glibc
-        pass
+from _memory import peak_mib, rss_mib, trim  # noqa: E402
 
 
 def _storage_bytes(tree: object) -> int:
@@ -86,8 +67,8 @@ def run(mode: str, width: int, layers: int, steps: int) -> dict:
     torch.set_num_threads(1)
     n = torch.distributed.get_world_size()
     ps.init_mesh({"dp": n})
-    _trim()
-    base = _rss_mib()
+    trim()
+    base = rss_mib()
     g = torch.Generator().manual_seed(0)
     whole = {}
     for i in range(layers):
@@ -120,11 +101,11 @@ def run(mode: str, width: int, layers: int, steps: int) -> dict:
         v = optree.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, v, grads)
         params = optree.tree_map(partial(_adam, step=step), params, m, v)
         times.append(time.perf_counter() - start)
-    _trim()
+    trim()
     return {
         "state": _storage_bytes((params, grads, m, v)),
-        "rss": _rss_mib() - base,
-        "peak": _peak_mib() - base,
+        "rss": rss_mib() - base,
+        "peak": peak_mib() - base,
         "step": statistics.median(times[1:] or times),
     }
 
