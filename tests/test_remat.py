@@ -662,6 +662,52 @@ def test_pytree_arguments_and_outputs() -> None:
     close(a.grad, grad(loss(f))(X))
 
 
+def test_global_tensors_as_arguments_and_outputs() -> None:
+    """A GlobalTensor reaches the checkpoint as its block: the block's gradient under
+    torch.func and under .backward(), in a dict too; one returned is rebuilt with its layout."""
+    import pshard as ps
+
+    def run() -> None:
+        ps.init_mesh({"dp": 1})
+        x = randn(2, 3)
+
+        def layer(p, x):
+            return torch.tanh(x @ ps.gather(p["w"])) * ps.gather(p["s"])
+
+        def loss(f: Callable) -> Callable:
+            return lambda p: (f(p, x) ** 2).sum()
+
+        whole = {"w": W, "s": randn(3)}
+        want = grad(loss(layer))(whole)
+        params = ps.shard(whole, ps.P("dp"))
+        for policy in (None, cp.dots_saveable):
+            got = grad(loss(checkpoint(layer, policy=policy)))(params)
+            assert all(
+                isinstance(g, ps.GlobalTensor) and g.meta == params[k].meta for k, g in got.items()
+            )
+            close({k: ps.gather(g) for k, g in got.items()}, want)
+        blocks = {k: v.clone().requires_grad_() for k, v in whole.items()}
+        given = {k: ps.from_local(b, ps.P("dp"), global_shapes=b.shape) for k, b in blocks.items()}
+        loss(checkpoint(layer))(given).backward()
+        close({k: b.grad for k, b in blocks.items()}, want)
+
+        def make(w):
+            return ps.shard(torch.tanh(ps.gather(w)), ps.P("dp"))
+
+        w = ps.shard(W, ps.P("dp"))
+        out = checkpoint(make)(w)
+        assert isinstance(out, ps.GlobalTensor) and out.meta == w.meta
+        close(out.local, make(w).local)
+        want = grad(lambda w: (ps.gather(make(w)) ** 2).sum())(w)
+        close(grad(lambda w: (ps.gather(checkpoint(make)(w)) ** 2).sum())(w).local, want.local)
+        block = W.clone().requires_grad_()
+        made = checkpoint(make)(ps.from_local(block, ps.P("dp"), global_shapes=(3, 3)))
+        (ps.gather(made) ** 2).sum().backward()
+        close(block.grad, want.local)
+
+    contextvars.copy_context().run(run)  # the mesh stays in this test
+
+
 def test_no_grad_runs_the_function_as_is() -> None:
     calls = []
 

@@ -35,10 +35,10 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from pshard._core.tree import describe, tree_flatten
+from pshard._core.tree import describe
 
 from . import compat
-from .function import Call
+from .function import Call, flatten
 from .lift import Lifted, find_modules, unpack_partial
 from .policies import Policy, everything_saveable, resolve
 
@@ -65,7 +65,7 @@ def _apply(
     if not (torch.is_grad_enabled() or compat.transforms_active() or compat.forward_ad_active()):
         return fn(*args, **kwargs)  # nothing will differentiate it: nothing to recompute
     fn, args, kwargs = unpack_partial(fn, args, kwargs)
-    leaves, treedef = tree_flatten((args, kwargs))
+    leaves, treedef = flatten((args, kwargs))  # a GlobalTensor as its block
     if compat.tracing([x for x in leaves if isinstance(x, torch.Tensor)]):
         return fn(*args, **kwargs)  # a trace (torch.compile, fake tensors) recomputes nothing
     return Call(fn, _name(fn), policy, treedef, leaves, Lifted(find_modules(fn, leaves))).apply()
@@ -135,6 +135,10 @@ def checkpoint(fn: Any = None, /, *args: Any, policy: Any = None, **kwargs: Any)
     both ways: ``shard_map(checkpoint(f))`` recomputes each rank's block function, issuing its
     collectives again in the same order on every rank unless the policy keeps them;
     ``checkpoint(shard_map(f))`` recomputes the whole map.
+
+    Arguments and results are pytrees; a :class:`~pshard.GlobalTensor` among them is its block
+    to the checkpoint (as to ``torch.func``), so the block gets its gradient and a
+    ``GlobalTensor`` returned comes back with its layout.
 
     ``fn`` may close over tensors that need no gradient; the tensors it differentiates must be
     its arguments, or parameters of a module it is, is a method of, holds in a

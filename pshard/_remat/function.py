@@ -23,6 +23,7 @@ from typing import Any
 
 import optree
 import torch
+from optree import PyTreeSpec
 from torch.overrides import TorchFunctionMode
 
 from pshard._core.tree import NAMESPACE, tree_flatten, tree_unflatten
@@ -34,11 +35,20 @@ from .policies import Policy
 from .replay import Replayer
 from .tape import Recorder, Tape
 
-__all__ = ["Call"]
+__all__ = ["Call", "flatten"]
 
 
 def _float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
+
+
+def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+    """The leaves of ``tree`` with each :class:`~pshard.GlobalTensor` as its block, and the
+    structure that rebuilds it (``GlobalTensor`` s of the same layout around the blocks):
+    pshard's own walks keep a ``GlobalTensor`` whole, but a checkpoint differentiates blocks,
+    so its arguments and results are flattened as ``torch.func`` flattens them."""
+    tree_flatten(tree)  # registers the Mappings and dataclasses not seen before
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
 class _ClosureGuard(TorchFunctionMode):
@@ -86,7 +96,7 @@ class Call:
         fn: Callable[..., Any],
         name: str,
         policy: Policy,
-        treedef: Any,
+        treedef: PyTreeSpec,
         leaves: list[Any],
         lifted: Lifted,
     ) -> None:
@@ -106,7 +116,7 @@ class Call:
         self.grad_enabled = torch.is_grad_enabled()
         self.transformed = compat.transforms_active()
         self.tape: Tape | None = None
-        self.out_treedef: Any = None
+        self.out_treedef: PyTreeSpec | None = None
         self.out_leaves: list[Any] = []
         self.out_meta: list[tuple[torch.Size, torch.dtype]] = []
         self.float_outputs: list[int] = []
@@ -129,6 +139,7 @@ class Call:
         self.lifted.tensors, self.returned = [], []
         it = iter(outs)
         leaves = [next(it) if x is None else x for x in self.out_leaves]
+        assert self.out_treedef is not None  # set by the forward
         return tree_unflatten(self.out_treedef, leaves)
 
     def saved(self) -> list[torch.Tensor]:
@@ -153,7 +164,7 @@ class Call:
         try:
             with torch.set_grad_enabled(grad), recorder, guard:
                 out = self._body_forward(xs)
-            flat, self.out_treedef = tree_flatten(out)
+            flat, self.out_treedef = flatten(out)
             outs = [x for x in flat if isinstance(x, torch.Tensor)]
             returned = tuple(t.detach() for t in outs)
             recorder.finish(outs, returned)
@@ -197,7 +208,7 @@ class Call:
         try:
             with replayer:
                 out = self.body(xs)
-            flat, treedef = tree_flatten(out)
+            flat, treedef = flatten(out)
             outs = [x for x in flat if isinstance(x, torch.Tensor)]
             meta = [(t.shape, t.dtype) for t in outs]
             if treedef != self.out_treedef or meta != self.out_meta:
