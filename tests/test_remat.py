@@ -826,6 +826,54 @@ def test_a_tensor_modified_in_place_before_the_backward_is_an_error() -> None:
         pull(torch.ones(2, 3, dtype=f64))
 
 
+@pytest.mark.parametrize("size", [3, 100])  # known by value (small) or by identity (large)
+@pytest.mark.parametrize("how", ["backward", "vjp"])
+def test_an_outside_integer_tensor_changed_before_the_backward_is_an_error(
+    how: str, size: int
+) -> None:
+    """Index tables and masks read from outside have no gradient of their own, but the
+    gradient goes where they say: one modified in place or replaced by other values between
+    the forward and the backward is an error (without a checkpoint, autograd raises too)."""
+    x = randn(size, 3)
+    weights = randn(size, 3)
+    outside = {"index": torch.arange(size), "mask": torch.arange(size) % 2 == 0}
+
+    def f(w, x):
+        h = torch.tanh(x @ w)[outside["index"]]
+        return torch.where(outside["mask"][:, None], h, h * 2)
+
+    def run(change: Callable[[], None] | None) -> torch.Tensor:
+        outside["index"], outside["mask"] = torch.arange(size), torch.arange(size) % 2 == 0
+        if how == "vjp":
+            out, pull = vjp(lambda w: (checkpoint(f)(w, x) * weights).sum(), W)
+            if change is not None:
+                change()
+            return pull(torch.ones((), dtype=f64))[0]
+        w = W.clone().requires_grad_()
+        out = (checkpoint(f)(w, x) * weights).sum()
+        if change is not None:
+            change()
+        out.backward()
+        return w.grad
+
+    want = grad(lambda w: (f(w, x) * weights).sum())(W)
+    close(run(None), want)
+    # replaced by equal values (a cache rebuilt, a constant made again): the same gradient
+    close(run(lambda: outside.update(index=outside["index"].clone())), want)
+    name = re.escape(f"ps.checkpoint: {f.__qualname__} read")
+    changes = {
+        "was modified in place": lambda: outside["index"].copy_(outside["index"].flip(0)),
+        "was replaced by a tensor of other values": lambda: outside.update(
+            index=outside["index"].flip(0)
+        ),
+        "mask": lambda: outside["mask"].logical_not_(),
+    }
+    for what, change in changes.items():
+        text = "was modified in place" if what == "mask" else what
+        with pytest.raises(ValueError, match=f"{name} .* {text} between the forward and"):
+            run(change)
+
+
 def test_an_argument_modified_in_place_before_the_backward_is_an_error() -> None:
     x = randn(2, 3)
     _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w)), W, x)

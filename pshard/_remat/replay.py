@@ -17,6 +17,8 @@ from typing import Any
 import optree
 import torch
 
+from pshard._core.tree import article
+
 from . import compat
 from .ops import BOOKKEEPING, INPUT_FREE, OUTPUT_FREE, call_kind, describe_call, written
 from .rng import Rewind
@@ -26,9 +28,11 @@ from .tape import (
     Tape,
     bind_outputs,
     fresh_outputs,
+    is_outside,
     key_of,
     new_source,
     traced,
+    version_of,
 )
 
 __all__ = ["Replayer"]
@@ -99,6 +103,7 @@ class Replayer(compat.TorchDispatchMode):
         self._random = 0
         self._rewind = Rewind(tape.rng) if tape.rng is not None else None
         self._unmatched: str | None = None
+        self._changed: str | None = None  # a tensor from outside that changed, see finish
         self.replayed = 0
         self._returned: dict[int, list[torch.Tensor]] = {}
         for j, slots in tape.returned.items():
@@ -148,6 +153,8 @@ class Replayer(compat.TorchDispatchMode):
                 j, again = candidates[-1], True
         writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
         entry = None if j is None else self.tape.entries[j]
+        if entry is not None and not again and entry.outside and self._changed is None:
+            self._changed = self._outside_changed(entry, j, tensors)  # type: ignore[arg-type]
         if entry is not None and not again and (entry.saved or j in self._returned):
             out, fresh = self._replay(entry, writes, self._returned.get(j))  # type: ignore[arg-type]
             self.replayed += 1
@@ -165,6 +172,34 @@ class Replayer(compat.TorchDispatchMode):
             return out
         bind_outputs(self._sources, j, kind, out, fresh, writes)
         return out
+
+    def _outside_changed(self, entry: Entry, j: int, tensors: list[torch.Tensor]) -> str | None:
+        """Why an integer or boolean tensor from outside that entry ``j`` read differs from the
+        forward's (``None`` if none does). One the recompute computed itself may stand for one
+        the forward took from a cache, and the other way round (see the module docs of
+        :mod:`pshard._remat.tape`)."""
+        tape = self.tape
+        for p, k in entry.outside:
+            t = tensors[p]
+            if not is_outside(self._sources.get(t)):
+                continue
+            before = tape.outside[k]
+            if version_of(before) != tape.outside_versions[k]:
+                how = "was modified in place"
+            elif t is before or (t.device == before.device and torch.equal(t, before)):
+                continue
+            else:
+                how = "was replaced by a tensor of other values"
+            kind = str(t.dtype).removeprefix("torch.")
+            return (
+                f"ps.checkpoint: {tape.name} read {article(kind)} tensor from outside (shape "
+                f"{tuple(t.shape)}, used by {entry.op}, operation {j + 1} of "
+                f"{len(tape.entries)}) that {how} between the forward and the backward; the "
+                f"recompute would compute another gradient than the forward's (without a "
+                f"checkpoint, autograd raises too). Keep it unchanged until the backward (change "
+                f"a copy), or pass it to the checkpointed function as an argument"
+            )
+        return None
 
     def _replay(
         self, entry: Entry, writes: list[torch.Tensor], returned: list[torch.Tensor] | None
@@ -197,6 +232,8 @@ class Replayer(compat.TorchDispatchMode):
         tape = self.tape
         if vmapped or tape.vmapped:
             return
+        if self._changed is not None:
+            raise ValueError(self._changed)
         instead = f"; it ran {self._unmatched} instead" if self._unmatched else ""
         advice = (
             "A checkpointed function must compute the same thing each time it is called with "

@@ -20,13 +20,15 @@ may make them with another factory than the forward did; small constants
 (``torch.tensor([...])``) by their value; integer and boolean tensors (positions, indices,
 masks) by their shape and dtype alone, since the recompute may take them from a cache where
 the forward computed them (``shard_map_seq``'s positions), so calls that differ only in them
-are told apart by their order. Random draws are known by their place among the draws, and
-never kept: the recompute draws the same numbers again from the generator states the forward
-had at its first draw, those of explicit ``generator=`` arguments included
-(:mod:`pshard._remat.rng`).
+are told apart by their order; those the forward read from outside the function are held, and
+the recompute checks that each is unchanged (the same values, not modified in place). Random
+draws are known by their place among the draws, and never kept: the recompute draws the same
+numbers again from the generator states the forward had at its first draw, those of explicit
+``generator=`` arguments included (:mod:`pshard._remat.rng`).
 
 Internal interface (for :mod:`pshard._remat.replay`): :class:`Sources`, :func:`key_of`,
-:func:`new_source`, :func:`traced`, :func:`fresh_outputs`, :func:`bind_outputs`.
+:func:`new_source`, :func:`traced`, :func:`fresh_outputs`, :func:`bind_outputs`,
+:func:`version_of`, :func:`is_outside`.
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ __all__ = [
     "Tape",
     "bind_outputs",
     "fresh_outputs",
+    "is_outside",
     "key_of",
     "new_source",
     "traced",
+    "version_of",
 ]
 
 _SIMPLE = (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout)
@@ -73,6 +77,8 @@ _SMALL = 64  # tensors from outside with at most this many elements are known by
 class Entry:
     """One operator of the forward.
 
+    ``outside``: ``(position among its tensor arguments, index in :attr:`Tape.outside`)`` of
+    the integer and boolean tensors from outside the function it read.
     ``refs``/``geometry``: its outputs (the ``n_fresh`` fresh ones, then the tensors it wrote),
     held weakly, and their (shape, stride, offset). While the forward runs, a saved
     entry holds them (``held``), or a live tensor on their storage when only a name reached
@@ -98,6 +104,7 @@ class Entry:
     fresh_meta: list[tuple[torch.Size, torch.dtype, torch.device]] = dataclasses.field(
         default_factory=list
     )
+    outside: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def unsave(self) -> None:
         self.saved, self.vetoed, self.held, self.named = False, True, None, None
@@ -128,6 +135,10 @@ class Tape:
     checkpoint returned them (held weakly, with their version): while they live unchanged, the
     recompute takes them instead of computing them again.
     ``written_inputs``: the values of inputs the forward wrote in place, from before it did.
+    ``outside``/``outside_versions``: the integer and boolean tensors from outside the function
+    that the forward read (index tables, masks) and their versions at its end: they are matched
+    by place, not by source (see the module docs), so the recompute checks that each is
+    unchanged (:mod:`pshard._remat.replay`).
     ``error``: a policy's error, raised once the forward is done (raised inside an operator,
     Python may turn a ``TypeError`` into another one).
     """
@@ -141,6 +152,8 @@ class Tape:
     rng: RngStates | None = None
     externals: list[torch.Tensor] = dataclasses.field(default_factory=list)
     written_inputs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    outside: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    outside_versions: list[int] = dataclasses.field(default_factory=list)
     kept: list[torch.Tensor] = dataclasses.field(default_factory=list)
     returned: dict[int, dict[int, tuple[weakref.ref[torch.Tensor], int]]] = dataclasses.field(
         default_factory=dict
@@ -182,11 +195,20 @@ def _outside(t: torch.Tensor) -> Hashable:
             return ("c", t.shape, t.dtype, tuple(t.detach().flatten().tolist()))
         except RuntimeError:  # no data to read
             pass
+    return ("x", id(t), version_of(t))
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter (what an in-place change bumps); -1 for inference tensors."""
     try:
-        version = t._version
+        return int(t._version)
     except RuntimeError:  # inference tensors have no version counter
-        version = -1
-    return ("x", id(t), version)
+        return -1
+
+
+def is_outside(source: Hashable | None) -> bool:
+    """Whether ``source`` is that of a tensor from outside the function (or not seen before)."""
+    return source is None or (isinstance(source, tuple) and source[0] in ("x", "c"))
 
 
 def new_source(t: torch.Tensor) -> Hashable:
@@ -296,6 +318,7 @@ class Recorder(compat.TorchDispatchMode):
         self._input_storage = {storage(t): i for i, t in enumerate(inputs)}
         self._input_storage.pop(None, None)
         self._writer: dict[int, int] = {}  # storage -> entry that last wrote it
+        self._outside: dict[int, int] = {}  # id -> index in tape.outside (held there)
         self._random = 0
 
     def __torch_dispatch__(
@@ -329,6 +352,12 @@ class Recorder(compat.TorchDispatchMode):
         entry.fresh_meta = [(t.shape, t.dtype, t.device) for t in fresh]
         tape.entries.append(entry)
         tape.index.setdefault(key, []).append(j)
+        for p, t in enumerate(tensors):
+            if not (t.is_floating_point() or t.is_complex()) and is_outside(entry.inputs[p]):
+                k = self._outside.setdefault(id(t), len(tape.outside))
+                if k == len(tape.outside):
+                    tape.outside.append(t)
+                entry.outside.append((p, k))
         for t in tensors:
             if self._sources.get(t) is None:
                 src = _outside(t)
@@ -424,6 +453,8 @@ class Recorder(compat.TorchDispatchMode):
         let go of everything else."""
         tape = self.tape
         tape.outputs = [self._sources.get(compat.base_of(t)) for t in outputs]
+        tape.outside_versions = [version_of(t) for t in tape.outside]
+        self._outside.clear()
         for src, r in zip(tape.outputs, returned, strict=True):
             if isinstance(src, tuple) and src[0] == "o" and isinstance(src[2], int):
                 entry = tape.entries[src[1]]
