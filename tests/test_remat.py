@@ -786,6 +786,51 @@ def test_integer_tensors_made_inside_a_transform_may_be_read() -> None:
     close(jvp(lambda w: f(w, True), (W,), (W,)), jvp(lambda w: f(w, False), (W,), (W,)))
 
 
+def test_a_recompute_that_differs_in_a_scalar_is_an_error() -> None:
+    """A Python number that changed between the forward and the recompute (a counter) is
+    another path, whether the operation takes it as it is or in a new tensor; the error shows
+    the argument that differs."""
+    calls = [0]
+
+    def scaled(w, x):
+        calls[0] += 1
+        return torch.tanh(x @ w) * calls[0]
+
+    def filled(w, x):
+        calls[0] += 1
+        h = torch.tanh(x @ w)
+        return h * torch.full_like(h, calls[0])
+
+    texts = {
+        scaled: "the forward ran aten.mul.Tensor on ((2, 3) float64) (operation 4 of 4), which "
+        "the recompute did not; it ran it with other=2 where the forward had other=1",
+        filled: "the forward ran aten.mul.Tensor on ((2, 3) float64, (2, 3) float64) (operation "
+        "4 of 4), which the recompute did not; it ran it with other a new tensor filled with 2 "
+        "where the forward had other a new tensor filled with 1",
+    }
+    for f, text in texts.items():
+        for run in (lambda f: grad(_loss(checkpoint(f)))(W, X), lambda f: _backward(checkpoint(f))):
+            calls[0] = 0
+            with pytest.raises(ValueError, match=re.escape(text)):
+                run(f)
+
+    scale, table = randn(3), randn(3, 30)  # known by value, by identity and version
+    _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w) * scale), W, X)
+    scale.mul_(-1)
+    text = f"it ran it with other a tensor of values [{', '.join(map(repr, scale.tolist()))}]"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        pull(torch.ones(2, 3, dtype=f64))
+    _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w) @ table), W, X)
+    table.mul_(2)
+    text = (
+        "it ran it with mat2 a tensor from outside (version 1) where the forward had mat2 a "
+        "tensor from outside (version 0): it was modified in place between the forward and the "
+        "backward"
+    )
+    with pytest.raises(ValueError, match=re.escape(text)):
+        pull(torch.ones(2, 30, dtype=f64))
+
+
 def test_another_path_in_the_recompute_is_an_error() -> None:
     calls = [0]
 

@@ -4,7 +4,8 @@ and ``ps.checkpoint_policies`` (JAX's ``jax.checkpoint`` and its policies).
 Modules, bottom up: ``compat`` (the private torch APIs this room needs, in one place), ``rng``
 (generator states), ``names`` (``checkpoint_name``), ``policies`` (what a policy is, the
 built-in ones, operator classes), ``ops`` (what kind of operator the tape sees), ``tape`` (the
-dispatch-level record of a forward), ``replay`` (its replay in the recompute), ``lift`` (the
+dispatch-level record of a forward), ``explain`` (how a recompute's call differs from the
+forward's, for errors), ``replay`` (its replay in the recompute), ``lift`` (the
 parameters of modules a function uses, as its arguments), ``function`` (the
 ``torch.autograd.Function`` and the call it carries) and ``checkpoint`` (the transform).
 

@@ -8,7 +8,7 @@ not mark (BatchNorm's running statistics) and attention kernels whose dropout is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import optree
@@ -26,6 +26,7 @@ __all__ = [
     "OUTPUT_FREE",
     "call_kind",
     "describe_call",
+    "factory_value",
     "op_kind",
     "storage",
     "written",
@@ -43,6 +44,12 @@ _FACTORIES = frozenset(
         "new_full", "scalar_tensor", "arange", "linspace", "logspace", "eye",
     }
 )  # fmt: skip
+# What a factory fills its tensor with: a constant, or the argument that gives it.
+_FILLS = {"zeros": 0, "zeros_like": 0, "new_zeros": 0, "ones": 1, "ones_like": 1, "new_ones": 1}
+_FILL_ARGS = {
+    "full": "fill_value", "full_like": "fill_value", "new_full": "fill_value", "scalar_tensor": "s",
+}  # fmt: skip
+_UNFILLED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 KEEPABLE = ("compute", "write", "collective")
 # Operators whose derivative reads none of their inputs' values (sums, differences, reshapes),
 # and operators whose derivative does not read their own output: a value only such consumers
@@ -84,6 +91,25 @@ def op_kind(op: Any) -> str:
     if any(r.alias_info is not None for r in schema.returns):
         return "view"
     return "compute"
+
+
+def factory_value(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """What the values of a factory's new tensor depend on besides its shape and dtype: the
+    fill (``zeros_like`` and ``full_like(x, 0)`` alike give ``("fill", 0)``), the numbers of a
+    range (``arange``, ``linspace``, ``logspace``, ``eye``), ``None`` for ``empty``."""
+    name = op._opname
+    if name in _UNFILLED:
+        return None
+    if name in _FILLS:
+        return ("fill", _FILLS[name])
+    if name in _FILL_ARGS:
+        arg = _FILL_ARGS[name]
+        names = [a.name for a in op._schema.arguments]
+        i = names.index(arg)
+        value = args[i] if i < len(args) else kwargs.get(arg)
+        return ("fill", value if isinstance(value, (int, float, bool, complex)) else repr(value))
+    numbers = [x for x in args if isinstance(x, (int, float, bool, complex))]
+    return ("range", tuple(numbers))
 
 
 @cached("pshard.remat.dropout_arg", maxsize=4096)

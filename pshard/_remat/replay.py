@@ -20,7 +20,16 @@ import torch
 from pshard._core.tree import article
 
 from . import compat
-from .ops import BOOKKEEPING, INPUT_FREE, OUTPUT_FREE, call_kind, describe_call, written
+from .explain import difference
+from .ops import (
+    BOOKKEEPING,
+    INPUT_FREE,
+    OUTPUT_FREE,
+    call_kind,
+    describe_call,
+    factory_value,
+    written,
+)
 from .rng import Rewind
 from .tape import (
     Entry,
@@ -103,6 +112,7 @@ class Replayer(compat.TorchDispatchMode):
         self._random = 0
         self._rewind = Rewind(tape.rng) if tape.rng is not None else None
         self._unmatched: str | None = None
+        self._unmatched_keys: dict[Any, Hashable] = {}  # operator -> its first unmatched call
         self._changed: str | None = None  # a tensor from outside that changed, see finish
         self.replayed = 0
         self._returned: dict[int, list[torch.Tensor]] = {}
@@ -134,8 +144,9 @@ class Replayer(compat.TorchDispatchMode):
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
             out = func(*args, **kwargs)
+            value = factory_value(func, args, kwargs)
             for t in fresh_outputs(out, []):
-                self._sources.bind(t, new_source(t))
+                self._sources.bind(t, new_source(t, value))
             return out
         key, tensors = key_of(func, args, kwargs, self._sources, None)
         if kind == "random":
@@ -165,8 +176,10 @@ class Replayer(compat.TorchDispatchMode):
             out = func(*args, **kwargs)
             fresh = fresh_outputs(out, writes)
         if j is None:
-            if self._unmatched is None and kind != "view" and func._opname not in BOOKKEEPING:
-                self._unmatched = describe_call(func, tensors)
+            if kind != "view" and func._opname not in BOOKKEEPING:
+                if self._unmatched is None:
+                    self._unmatched = describe_call(func, tensors)
+                self._unmatched_keys.setdefault(func, key)
             for t in writes:
                 self._sources.forget(t)
             return out
@@ -247,10 +260,13 @@ class Replayer(compat.TorchDispatchMode):
                 continue
             if entry.op._opname in BOOKKEEPING:
                 continue
+            other = self._unmatched_keys.get(entry.op)
+            differs = None if other is None else difference(entry.op, entry.key, other)
             raise ValueError(
                 f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                 f"forward: the forward ran {entry.text} (operation {j + 1} of "
-                f"{len(tape.entries)}), which the recompute did not{instead}. {advice}"
+                f"{len(tape.entries)}), which the recompute did not"
+                f"{instead if differs is None else f'; it ran it with {differs}'}. {advice}"
             )
         for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
             if src is not None and self._sources.get(compat.base_of(t)) != src:

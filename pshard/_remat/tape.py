@@ -14,9 +14,11 @@ Identification is by content, not position: the key of a call (:func:`key_of`) i
 ``(operator, arguments)`` with tensors replaced by their source, so operations that only the
 recompute runs (the tangent computations of an outer ``jvp``, autograd's bookkeeping) never
 take a kept value, and a kept value is returned only where the recompute computes the same
-thing from the same sources. Calls with the same key are matched in order. New tensors
-(``empty``, ``zeros_like``, ...) are known by their shape and dtype alone, since ``torch.func``
-may make them with another factory than the forward did; small constants
+thing from the same sources. Calls with the same key are matched in order; non-tensor
+arguments (a Python number) are part of the key. New tensors (``empty``, ``zeros_like``, ...)
+are known by their shape, dtype and what fills them (``zeros_like(x)`` and ``full_like(x, 0)``
+alike: :func:`pshard._remat.ops.factory_value`), not by the factory, since ``torch.func`` may
+make them with another factory than the forward did; small constants
 (``torch.tensor([...])``) by their value; integer and boolean tensors (positions, indices,
 masks) by their shape and dtype alone, since the recompute may take them from a cache where
 the forward computed them (``shard_map_seq``'s positions), so calls that differ only in them
@@ -48,6 +50,7 @@ from .ops import (
     KEEPABLE,
     call_kind,
     describe_call,
+    factory_value,
     storage,
     written,
 )
@@ -77,6 +80,7 @@ _SMALL = 64  # tensors from outside with at most this many elements are known by
 class Entry:
     """One operator of the forward.
 
+    ``key``: how the recompute identifies it (:func:`key_of`).
     ``outside``: ``(position among its tensor arguments, index in :attr:`Tape.outside`)`` of
     the integer and boolean tensors from outside the function it read.
     ``refs``/``geometry``: its outputs (the ``n_fresh`` fresh ones, then the tensors it wrote),
@@ -105,6 +109,7 @@ class Entry:
         default_factory=list
     )
     outside: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    key: Hashable = None
 
     def unsave(self) -> None:
         self.saved, self.vetoed, self.held, self.named = False, True, None, None
@@ -211,8 +216,10 @@ def is_outside(source: Hashable | None) -> bool:
     return source is None or (isinstance(source, tuple) and source[0] in ("x", "c"))
 
 
-def new_source(t: torch.Tensor) -> Hashable:
-    return ("new", t.shape, t.dtype, t.device.type)
+def new_source(t: torch.Tensor, value: Hashable) -> Hashable:
+    """The source of a factory's new tensor: its shape, dtype, device and what its values
+    depend on (:func:`pshard._remat.ops.factory_value`), not which factory made it."""
+    return ("new", t.shape, t.dtype, t.device.type, value)
 
 
 def traced(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -331,8 +338,9 @@ class Recorder(compat.TorchDispatchMode):
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
             out = func(*args, **kwargs)
+            value = factory_value(func, args, kwargs)
             for t in fresh_outputs(out, []):
-                self._sources.bind(t, new_source(t))
+                self._sources.bind(t, new_source(t, value))
             return out
         key, tensors = key_of(func, args, kwargs, self._sources, None)
         if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
@@ -347,6 +355,7 @@ class Recorder(compat.TorchDispatchMode):
         j = len(tape.entries)
         fresh: list[torch.Tensor] = []
         entry = Entry(func, kind, describe_call(func, tensors), *_template(out, fresh, writes))
+        entry.key = key
         entry.floating = any(t.is_floating_point() or t.is_complex() for t in [*tensors, *fresh])
         entry.inputs = [self._sources.get(t) for t in tensors]
         entry.fresh_meta = [(t.shape, t.dtype, t.device) for t in fresh]
