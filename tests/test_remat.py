@@ -752,6 +752,50 @@ def test_unknown_policies_are_refused() -> None:
         grad(_loss(checkpoint(body, policy=maybe)), (0, 1))(W, X)
 
 
+def test_policies_are_checked_against_both_call_forms() -> None:
+    """A callable policy is called with an operator and its arguments and, for names, as
+    policy(checkpoint_name, x, name=name): one that cannot take the second is refused at once;
+    a policy that raises is named in the error; the hint for a misspelt name is a close one."""
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "ps.checkpoint: policy test_policies_are_checked_against_both_call_forms.<locals>."
+            "<lambda> cannot be called as policy(checkpoint_name, x, name=name)"
+        ),
+    ):
+        checkpoint(body, policy=lambda op, *args: False)
+
+    def broken(op, *args, **kwargs):
+        return {"mm": True, None: False}[getattr(op, "_opname", None)]  # KeyError: tanh
+
+    for error, policy in ((KeyError, broken), (TypeError, lambda op, *a, **k: a[0].shape + 1)):
+        name = getattr(policy, "__qualname__", "")
+        with pytest.raises(
+            TypeError if error is TypeError else RuntimeError,
+            match=re.escape(f"ps.checkpoint: policy {name} raised {error.__name__}"),
+        ) as info:
+            grad(_loss(checkpoint(body, policy=policy)), (0, 1))(W, X)
+        assert isinstance(info.value.__cause__, error)
+
+    hints = {
+        "dots_savable": "dots_saveable",
+        "nothing": "nothing_saveable",
+        "save_collective": "save_collectives",
+        "offload": "offload(ps.checkpoint_policies.dots_saveable)",
+        "save_only": "save_only_these_names('name', ...)",
+    }
+    for text, name in hints.items():
+        with pytest.raises(TypeError, match=re.escape(f"policy=ps.checkpoint_policies.{name}?")):
+            checkpoint(body, policy=text)
+    for text in ("e", "x", "sum", "save"):  # nothing close, or several: no hint
+        with pytest.raises(TypeError) as info:
+            checkpoint(body, policy=text)
+        assert "did you mean" not in str(info.value)
+    with pytest.raises(TypeError) as info:
+        cp.offload("x")
+    assert "did you mean" not in str(info.value)
+
+
 def test_closure_over_a_differentiated_tensor_is_refused() -> None:
     w = W.clone().requires_grad_()
     f = checkpoint(lambda x: torch.tanh(x @ w))

@@ -26,6 +26,7 @@ Internal interface: :class:`Policy` (the built-ins; ``vetoes(name)``, ``offload`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -150,9 +151,20 @@ class _User(Policy):
         self._fn = fn
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
-        answer = self._fn(op, *args, **kwargs)
+        what = f"{op}" if op is not checkpoint_name else f"checkpoint_name {kwargs.get('name')!r}"
+        try:
+            answer = self._fn(op, *args, **kwargs)
+        except Exception as e:
+            kind: type[Exception] = RuntimeError
+            if isinstance(e, (TypeError, ValueError)):
+                kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(
+                f"ps.checkpoint: policy {self._text} raised {type(e).__name__}: {e} for {what}; "
+                f"a policy is called as policy(op, *args, **kwargs) for each operator of the "
+                f"forward and as policy(checkpoint_name, x, name=name) for each named value, "
+                f"and returns True or False"
+            ) from e
         if not isinstance(answer, bool):
-            what = f"{op}" if op is not checkpoint_name else f"checkpoint_name {kwargs['name']!r}"
             raise TypeError(
                 f"ps.checkpoint: policy {self._text} returned {describe(answer)} for {what}; a "
                 f"policy returns True (keep the output for the backward) or False (recompute it)"
@@ -300,7 +312,8 @@ def resolve(policy: Any, *, fn: str = "ps.checkpoint") -> Policy:
 
     Raises:
         TypeError: ``policy`` is none of these (a name as a string, a factory not called, a
-            callable that cannot take ``(op, *args, **kwargs)``).
+            callable that cannot take ``(op, *args, **kwargs)`` or
+            ``(checkpoint_name, x, name=name)``).
     """
     if policy is None:
         return nothing_saveable
@@ -318,21 +331,50 @@ def resolve(policy: Any, *, fn: str = "ps.checkpoint") -> Policy:
             f"policy, not a policy; call it: policy=ps.checkpoint_policies.{_FACTORIES[policy]}"
         )
     if isinstance(policy, str):
-        hint = ""
-        close = [n for n in _BUILTIN_NAMES if policy.lower() in n or n in policy.lower()]
-        if close:
-            hint = f"; did you mean policy=ps.checkpoint_policies.{close[0]}?"
+        close = _close_name(policy)
+        hint = "" if close is None else f"; did you mean policy=ps.checkpoint_policies.{close}?"
         raise TypeError(f"{fn}: policy={policy!r} is a string, not a policy; {menu}{hint}")
     if not callable(policy):
         raise TypeError(f"{fn}: policy is {describe(policy)}, not a policy; {menu}")
-    try:
-        inspect.signature(policy).bind(torch.ops.aten.mm.default, None, None)
-    except TypeError:
-        raise TypeError(
-            f"{fn}: policy {getattr(policy, '__qualname__', policy)!r} cannot be called as "
-            f"policy(op, *args, **kwargs) -> bool (it is called with an operator and the "
-            f"operator's arguments, e.g. policy(torch.ops.aten.mm.default, a, b)); {menu}"
-        ) from None
-    except ValueError:  # no signature (a builtin): trust it, its answers are checked
-        pass
+    name = getattr(policy, "__qualname__", None) or repr(policy)
+    forms: tuple[tuple[str, tuple[Any, ...], dict[str, Any], str], ...] = (
+        (
+            "policy(op, *args, **kwargs)",
+            (torch.ops.aten.mm.default, None, None),
+            {},
+            "with an operator and the operator's arguments, e.g. "
+            "policy(torch.ops.aten.mm.default, a, b)",
+        ),
+        (
+            "policy(checkpoint_name, x, name=name)",
+            (checkpoint_name, None),
+            {"name": "n"},
+            "for each value named with ps.checkpoint_name, with the name as a keyword; take "
+            "it with **kwargs",
+        ),
+    )
+    for form, args, kwargs, how in forms:
+        try:
+            inspect.signature(policy).bind(*args, **kwargs)
+        except TypeError:
+            raise TypeError(
+                f"{fn}: policy {name} cannot be called as {form} -> bool (it is called {how}); "
+                f"{menu}"
+            ) from None
+        except ValueError:  # no signature (a builtin): trust it, its answers are checked
+            break
     return _User(policy)
+
+
+def _close_name(text: str) -> str | None:
+    """The built-in policy ``text`` most likely means (as it is written in a call), if any: the
+    one it begins (three letters at least; none if several do), else a close spelling."""
+    word = text.strip().lower().removeprefix("ps.").removeprefix("checkpoint_policies.")
+    found = [n for n in _BUILTIN_NAMES if len(word) >= 3 and n.startswith(word)]
+    if len(found) > 1:
+        return None
+    found = found or difflib.get_close_matches(word, _BUILTIN_NAMES, n=1, cutoff=0.6)
+    if not found:
+        return None
+    factory = next((f for f in _FACTORIES if f.__name__ == found[0]), None)
+    return found[0] if factory is None else _FACTORIES[factory]
