@@ -858,6 +858,17 @@ def test_a_recompute_that_differs_in_a_scalar_is_an_error() -> None:
             with pytest.raises(ValueError, match=re.escape(text)):
                 run(f)
 
+    rate = [0.5]
+
+    def dropped(w, x):
+        h = torch.tanh(x @ w)
+        return h * torch.empty_like(h).bernoulli_(rate[0])
+
+    _, pull = vjp(checkpoint(dropped), W, X)
+    rate[0] = 0.9  # a random draw is known by its place: its arguments are compared
+    with pytest.raises(ValueError, match=re.escape("drew with p=0.9 where the forward had p=0.5")):
+        pull(torch.ones(2, 3, dtype=f64))
+
     scale, table = randn(3), randn(3, 30)  # known by value, by identity and version
     _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w) * scale), W, X)
     scale.mul_(-1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-__all__ = ["difference"]
+__all__ = ["difference", "draw_difference"]
 
 
 def difference(op: Any, forward: Hashable, recompute: Hashable) -> str | None:
@@ -40,6 +40,17 @@ def difference(op: Any, forward: Hashable, recompute: Hashable) -> str | None:
                 return f"{text}: it was modified in place between the forward and the backward"
             return f"{text}: it was replaced between the forward and the backward"
         return text
+    return None
+
+
+def draw_difference(
+    forward: Sequence[tuple[str, Any]], recompute: Sequence[tuple[str, Any]]
+) -> str | None:
+    """``"p=0.9 where the forward had p=0.5"``: the first argument in which a random draw of the
+    recompute differs from the forward's (:func:`pshard._remat.ops.draw_arguments` of each)."""
+    for (name, before), (_, after) in zip(forward, recompute, strict=True):
+        if before != after:
+            return f"{name}={after!r} where the forward had {name}={before!r}"
     return None
 
 

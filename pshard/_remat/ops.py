@@ -26,6 +26,7 @@ __all__ = [
     "OUTPUT_FREE",
     "call_kind",
     "describe_call",
+    "draw_arguments",
     "factory_value",
     "op_kind",
     "storage",
@@ -110,6 +111,29 @@ def factory_value(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Has
         return ("fill", value if isinstance(value, (int, float, bool, complex)) else repr(value))
     numbers = [x for x in args if isinstance(x, (int, float, bool, complex))]
     return ("range", tuple(numbers))
+
+
+def draw_arguments(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[str, Any], ...]:
+    """The arguments of a random draw that are numbers (a rate, a mean, a standard deviation,
+    a size), by name, defaults filled in (the dispatcher leaves out those equal to their
+    default)."""
+    out: list[tuple[str, Any]] = []
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            value = args[i]
+        elif a.name in kwargs:
+            value = kwargs[a.name]
+        elif a.has_default_value():
+            value = a.default_value
+        else:
+            continue
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+            out.append((a.name, tuple(value)))
+        elif isinstance(value, (int, float, bool, complex)):
+            out.append((a.name, value))
+    return tuple(out)
 
 
 @cached("pshard.remat.dropout_arg", maxsize=4096)

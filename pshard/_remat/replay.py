@@ -20,13 +20,14 @@ import torch
 from pshard._core.tree import article
 
 from . import compat
-from .explain import difference
+from .explain import difference, draw_difference
 from .ops import (
     BOOKKEEPING,
     INPUT_FREE,
     OUTPUT_FREE,
     call_kind,
     describe_call,
+    draw_arguments,
     factory_value,
     written,
 )
@@ -164,8 +165,11 @@ class Replayer(compat.TorchDispatchMode):
                 j, again = candidates[-1], True
         writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
         entry = None if j is None else self.tape.entries[j]
-        if entry is not None and not again and entry.outside and self._changed is None:
-            self._changed = self._outside_changed(entry, j, tensors)  # type: ignore[arg-type]
+        if entry is not None and not again and self._changed is None:
+            if entry.outside:
+                self._changed = self._outside_changed(entry, j, tensors)  # type: ignore[arg-type]
+            elif kind == "random" and entry.op is func:  # not when functorch draws otherwise
+                self._changed = self._draw_changed(entry, j, draw_arguments(func, args, kwargs))
         if entry is not None and not again and (entry.saved or j in self._returned):
             out, fresh = self._replay(entry, writes, self._returned.get(j))  # type: ignore[arg-type]
             self.replayed += 1
@@ -213,6 +217,20 @@ class Replayer(compat.TorchDispatchMode):
                 f"a copy), or pass it to the checkpointed function as an argument"
             )
         return None
+
+    def _draw_changed(self, entry: Entry, j: int, draw: tuple[tuple[str, Any], ...]) -> str | None:
+        """Why a random draw of the recompute, the forward's draw ``j`` by its place and the
+        same operator, differs in its arguments that are numbers (a rate, a deviation)."""
+        differs = draw_difference(entry.draw, draw)
+        if differs is None:
+            return None
+        return (
+            f"ps.checkpoint: the recompute of {self.tape.name} drew with {differs} (the random "
+            f"draw {entry.text}, operation {j + 1} of {len(self.tape.entries)}): it would draw "
+            f"other numbers than the forward did. A checkpointed function must compute the same "
+            f"thing each time it is called with the same arguments; make the draw depend on its "
+            f"arguments only (a dropout rate that changes between the forward and the backward)"
+        )
 
     def _replay(
         self, entry: Entry, writes: list[torch.Tensor], returned: list[torch.Tensor] | None

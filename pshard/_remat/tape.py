@@ -50,6 +50,7 @@ from .ops import (
     KEEPABLE,
     call_kind,
     describe_call,
+    draw_arguments,
     factory_value,
     storage,
     written,
@@ -80,7 +81,9 @@ _SMALL = 64  # tensors from outside with at most this many elements are known by
 class Entry:
     """One operator of the forward.
 
-    ``key``: how the recompute identifies it (:func:`key_of`).
+    ``key``: how the recompute identifies it (:func:`key_of`; a random draw by its place).
+    ``draw``: a random draw's arguments that are numbers (a rate; see
+    :func:`pshard._remat.ops.draw_arguments`).
     ``outside``: ``(position among its tensor arguments, index in :attr:`Tape.outside`)`` of
     the integer and boolean tensors from outside the function it read.
     ``refs``/``geometry``: its outputs (the ``n_fresh`` fresh ones, then the tensors it wrote),
@@ -110,6 +113,7 @@ class Entry:
     )
     outside: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     key: Hashable = None
+    draw: tuple[tuple[str, Any], ...] = ()
 
     def unsave(self) -> None:
         self.saved, self.vetoed, self.held, self.named = False, True, None, None
@@ -356,6 +360,8 @@ class Recorder(compat.TorchDispatchMode):
         fresh: list[torch.Tensor] = []
         entry = Entry(func, kind, describe_call(func, tensors), *_template(out, fresh, writes))
         entry.key = key
+        if kind == "random":
+            entry.draw = draw_arguments(func, args, kwargs)
         entry.floating = any(t.is_floating_point() or t.is_complex() for t in [*tensors, *fresh])
         entry.inputs = [self._sources.get(t) for t in tensors]
         entry.fresh_meta = [(t.shape, t.dtype, t.device) for t in fresh]
