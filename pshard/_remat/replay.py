@@ -165,9 +165,9 @@ class Replayer(compat.TorchDispatchMode):
                 j, again = candidates[-1], True
         writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
         entry = None if j is None else self.tape.entries[j]
-        if entry is not None and not again and self._changed is None:
+        if entry is not None and j is not None and not again and self._changed is None:
             if entry.outside:
-                self._changed = self._outside_changed(entry, j, tensors)  # type: ignore[arg-type]
+                self._changed = self._outside_changed(entry, j, tensors)
             elif kind == "random" and entry.op is func:  # not when functorch draws otherwise
                 self._changed = self._draw_changed(entry, j, draw_arguments(func, args, kwargs))
         if entry is not None and not again and (entry.saved or j in self._returned):
