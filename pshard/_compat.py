@@ -14,17 +14,27 @@ Imports torch only; every layer of pshard may import it.
   :func:`flattened_group`, :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
   :data:`OpOverload`, :class:`TorchDispatchMode`;
-- pytree registration with torch's own pytree: :func:`register_torch_pytree`.
+- pytree registration with torch's own pytree: :func:`register_torch_pytree`;
+- what ``ps.checkpoint`` needs: functorch's interpreter stack (:func:`transforms`,
+  :func:`top_transform`, :func:`level_of`, :func:`unwrap_level`, :func:`wrap_level`,
+  :func:`lowered`, :func:`live_wrapper`, :func:`is_batched`, :func:`unwrap_dead_tensor`),
+  forward mode outside it (:func:`forward_ad_active`), tracing (:func:`tracing`,
+  :func:`fake_mode_active`, :func:`is_fake`), ``functional_call``'s reparametrization
+  (:func:`reparametrized`) and a finished c10d Work (:func:`completed_work`). The backward of a
+  checkpoint recomputes its function with the ``grad`` level that runs that backward taken off
+  the stack (:func:`lowered`), so only the transforms outside it record the recompute.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.utils._pytree as _torch_pytree
+from torch._C import _functorch
+from torch._functorch.pyfunctorch import coerce_cinterpreter as _coerce_interpreter
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,23 +45,39 @@ if TYPE_CHECKING:
 __all__ = [
     "OpOverload",
     "TorchDispatchMode",
+    "aten_op",
+    "completed_work",
     "constant_source",
     "dcp_metadata_classes",
     "default_store",
+    "fake_mode_active",
     "fake_tensor_types",
     "flattened_group",
-    "aten_op",
+    "forward_ad_active",
+    "get_attr_key",
     "graph_task_id",
-    "innermost",
     "group_count",
+    "innermost",
+    "is_batched",
+    "is_fake",
     "is_wrapped",
+    "level_of",
+    "live_wrapper",
+    "lowered",
     "outside_transforms",
     "queue_backward_callback",
     "register_torch_pytree",
+    "reparametrized",
     "resolve_group",
     "strided_shard_type",
+    "top_transform",
+    "tracing",
+    "transforms",
     "transforms_active",
     "unwrap_dead",
+    "unwrap_dead_tensor",
+    "unwrap_level",
+    "wrap_level",
 ]
 
 
@@ -189,3 +215,133 @@ def register_torch_pytree(
         serialized_type_name=serialized_type_name,
         flatten_with_keys_fn=flatten_with_keys,
     )
+
+
+def get_attr_key(name: str) -> Any:
+    """torch pytree's key for an attribute of a node (``GetAttrKey``), as key paths show it."""
+    from torch.utils._pytree import GetAttrKey
+
+    return GetAttrKey(name)
+
+
+_KINDS = {
+    _functorch.TransformType.Grad: "grad",
+    _functorch.TransformType.Jvp: "jvp",
+    _functorch.TransformType.Vmap: "vmap",
+    _functorch.TransformType.Functionalize: "functionalize",
+}
+
+
+def tracing(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether this runs in a trace rather than for real: dynamo compiling, a fake-tensor,
+    proxy or functionalization mode active, or fake tensors given."""
+    if torch.compiler.is_compiling():
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    for key in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL):
+        if torch._C._get_dispatch_mode(key) is not None:
+            return True
+    return any(is_fake(t) for t in tensors)
+
+
+def fake_mode_active() -> bool:
+    """Whether a fake-tensor or proxy (``make_fx``) mode is active."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY))
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (shapes without data, as tracers make)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def transforms() -> list[tuple[str, int]]:
+    """The running ``torch.func`` transforms, outermost first: ``("grad" | "jvp" | "vmap" |
+    "functionalize", level)``."""
+    stack = _functorch.get_interpreter_stack() or []
+    return [(_KINDS.get(ci.key(), "other"), ci.level()) for ci in stack]
+
+
+def top_transform() -> tuple[str, int] | None:
+    """The innermost running transform as ``(kind, level)``, or ``None``."""
+    ci = _functorch.peek_interpreter_stack()
+    return None if ci is None else (_KINDS.get(ci.key(), "other"), ci.level())
+
+
+def forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open (forward mode outside
+    ``torch.func``)."""
+    from torch.autograd import forward_ad
+
+    return bool(getattr(forward_ad, "_current_level", -1) >= 0)
+
+
+def level_of(t: torch.Tensor) -> int:
+    """The level of the outermost functorch wrapper of ``t`` (-1 for a plain tensor)."""
+    level = _functorch.maybe_get_level(t)
+    return -1 if level is None else int(level)
+
+
+def live_wrapper(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a functorch wrapper of a transform that is still running."""
+    dead = _functorch.is_dead_tensor_wrapper(t)  # type: ignore[attr-defined]
+    return bool(_functorch.is_functorch_wrapped_tensor(t)) and not bool(dead)
+
+
+def is_batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``vmap`` BatchedTensor."""
+    return bool(_functorch.is_batchedtensor(t))
+
+
+def unwrap_dead_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the wrappers of transforms that have returned (a ``vjp``'s saved values
+    when its ``vjp_fn`` runs)."""
+    return _functorch.unwrap_if_dead(t)
+
+
+def unwrap_level(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` seen from below the ``grad``/``jvp`` transform ``level`` (``t`` itself when it is not
+    wrapped at that level)."""
+    return _functorch._unwrap_for_grad(t, level)
+
+
+def wrap_level(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` as a value of the ``grad``/``jvp`` transform ``level``, with no history there."""
+    return _functorch._wrap_for_grad(t, level)
+
+
+@contextlib.contextmanager
+def lowered() -> Iterator[None]:
+    """Run the body with the innermost transform taken off the stack, as functorch itself does
+    when it hands an operation to the next transform (the grad mode outside a ``grad`` that was
+    entered under ``torch.no_grad`` is restored with it)."""
+    ci = _functorch.peek_interpreter_stack()
+    if ci is None:
+        yield
+        return
+    with _coerce_interpreter(ci).lower():
+        yield
+
+
+@contextlib.contextmanager
+def reparametrized(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block, ``module``'s parameters and buffers named in ``tensors`` are those
+    tensors (as in ``torch.func.functional_call``)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(module, dict(tensors), tie_weights=False, strict=False):
+        yield
+
+
+def completed_work(tensors: Sequence[torch.Tensor]) -> Any:
+    """A finished ``torch.distributed`` Work whose result is ``tensors``, as a c10d operator
+    returns it (the TorchScript object)."""
+    from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
+        _create_work_from_future,
+    )
+
+    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    fut.set_result(list(tensors))
+    return _create_work_from_future(fut).boxed()

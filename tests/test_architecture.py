@@ -25,9 +25,9 @@ def test_import_graph_follows_the_layers() -> None:
     assert _checker().check() == []
 
 
-def test_checker_finds_an_upward_import_and_a_private_name(tmp_path, monkeypatch) -> None:
-    """The checker is not vacuous: a core module importing the runtime, and a private name
-    imported across modules, are reported."""
+def test_checker_finds_an_upward_import_and_private_names(tmp_path, monkeypatch) -> None:
+    """The checker is not vacuous: a core module importing the runtime, a private name imported
+    across modules and a private torch API used outside ``pshard/_compat.py`` are reported."""
     checker = _checker()
     package = tmp_path / "pshard"
     (package / "_core").mkdir(parents=True)
@@ -36,12 +36,16 @@ def test_checker_finds_an_upward_import_and_a_private_name(tmp_path, monkeypatch
     (package / "_core" / "__init__.py").write_text("")
     (package / "_runtime" / "__init__.py").write_text("")
     (package / "_core" / "a.py").write_text("from .._runtime.b import _g\n\ndef f(): ...\n")
-    (package / "_runtime" / "b.py").write_text("def _g(): ...\n")
+    (package / "_runtime" / "b.py").write_text(
+        "import torch\nfrom torch.utils._pytree import tree_map\n\ndef _g(): torch._C.x()\n"
+    )
     monkeypatch.setattr(checker, "ROOT", tmp_path)
     monkeypatch.setattr(checker, "PACKAGE", package)
     problems = checker.check()
     assert any("a layer above" in p for p in problems), problems
     assert any("private names ['_g']" in p for p in problems), problems
+    assert any("private torch API torch.utils._pytree" in p for p in problems), problems
+    assert any("private torch API torch._C" in p for p in problems), problems
 
 
 def test_modules_are_readable_in_one_sitting() -> None:

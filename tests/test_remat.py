@@ -25,8 +25,8 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp,
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pshard._compat import reparametrized
 from pshard._remat.checkpoint import CheckpointModule, checkpoint, remat
-from pshard._remat.compat import reparametrized
 from pshard._remat.names import checkpoint_name
 from pshard._remat.policies import checkpoint_policies as cp
 

@@ -12,6 +12,8 @@ Rules (docs/architecture.md):
 4. ``pshard/_core`` is pure: it never imports ``torch.distributed`` beyond DTensor's placement
    types.
 5. ``pshard/__init__.py`` only re-exports: imports, ``__all__`` and ``__version__``.
+6. Private torch APIs only in ``pshard/_compat.py``: no other module imports a private torch
+   module (``torch._C``, ``torch.utils._pytree``) or reads ``torch._name``.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def check() -> list[str]:
             if room == "pshard._core" and target.startswith("torch.distributed"):
                 if not target.startswith(_CORE_MAY_IMPORT):
                     problems.append(f"{where}: the core imports {target} (rule 4)")
+            if module != "pshard._compat" and _private_torch(target, imported):
+                problems.append(f"{where}: imports the private torch API {target} (rule 6)")
             if not (target == "pshard" or target.startswith("pshard.")):
                 continue
             dest = known(modules, target)
@@ -123,9 +127,35 @@ def check() -> list[str]:
             private = [n for n in imported if n.startswith("_") and not n.startswith("__")]
             if private and dest != module:
                 problems.append(f"{where}: imports private names {private} from {dest} (rule 3)")
+        if module != "pshard._compat":
+            problems += _private_torch_attributes(path, rel)
     problems += _cycles(graph)
     problems += _init_only_reexports(PACKAGE / "__init__.py")
     return problems
+
+
+def _private_torch(target: str, imported: tuple[str, ...]) -> bool:
+    parts = target.split(".")
+    if parts[0] != "torch":
+        return False
+    return any(p.startswith("_") for p in parts[1:] + list(imported) if not p.startswith("__"))
+
+
+def _private_torch_attributes(path: Path, rel: Path) -> list[str]:
+    """``torch._name`` read in ``path`` (``torch._C._x``, ``torch._dynamo``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "torch"
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            out.append(
+                f"{rel}:{node.lineno}: reads the private torch API torch.{node.attr} (rule 6)"
+            )
+    return out
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[str]:

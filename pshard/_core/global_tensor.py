@@ -36,7 +36,7 @@ from typing import Any
 import optree
 import torch
 
-from .._compat import innermost, is_wrapped, register_torch_pytree
+from .._compat import get_attr_key, innermost, is_wrapped, register_torch_pytree
 from .caches import WeakCache
 from .layout import explicit_order
 from .layout_rules import index_runs
@@ -234,9 +234,7 @@ def _unflatten(children: Sequence[Any], meta: GlobalMeta) -> GlobalTensor:
 
 
 def _flatten_with_keys(x: GlobalTensor) -> tuple[list[tuple[Any, Any]], GlobalMeta]:
-    from torch.utils._pytree import GetAttrKey
-
-    return [(GetAttrKey("local"), x.local)], x.meta
+    return [(get_attr_key("local"), x.local)], x.meta
 
 
 def _optree_flatten(x: GlobalTensor) -> tuple[tuple[Any], GlobalMeta, tuple[str]]:

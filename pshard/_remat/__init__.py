@@ -1,7 +1,7 @@
 """Rematerialisation under ``torch.func``: ``ps.checkpoint`` / ``ps.remat``, ``ps.checkpoint_name``
 and ``ps.checkpoint_policies`` (JAX's ``jax.checkpoint`` and its policies).
 
-Modules, bottom up: ``compat`` (the private torch APIs this room needs, in one place), ``rng``
+Modules, bottom up (the private torch APIs it needs are in :mod:`pshard._compat`): ``rng``
 (generator states), ``names`` (``checkpoint_name``), ``policies`` (what a policy is, the
 built-in ones, operator classes), ``ops`` (what kind of operator the tape sees), ``tape`` (the
 dispatch-level record of a forward), ``explain`` (how a recompute's call differs from the

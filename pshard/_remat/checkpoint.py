@@ -15,7 +15,7 @@ Three details make it exact and make it save memory:
 - The rules never cut the graph with ``detach()`` or ``torch.no_grad()``: inside a backward,
   those would also cut the transforms outside (``hessian`` would be silently wrong).
 - The ``grad`` level that runs a backward is taken off functorch's stack while that backward
-  recomputes (:func:`pshard._remat.compat.lowered`): recorded at that level, the recompute
+  recomputes (:func:`pshard._compat.lowered`): recorded at that level, the recompute
   would stay alive until the whole gradient is done and nothing would be saved; the levels
   outside still see it.
 - Under ``torch.func.grad``, which keeps its whole graph until it returns, each checkpoint
@@ -37,7 +37,7 @@ import torch
 
 from pshard._core.tree import describe
 
-from . import compat
+from .. import _compat as compat
 from .function import Call, flatten
 from .lift import Lifted, find_modules, unpack_partial
 from .policies import Policy, everything_saveable, resolve

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from pshard._core.tree import NAMESPACE, tree_flatten, tree_unflatten
 
-from . import compat
+from .. import _compat as compat
 from .lift import Lifted
 from .names import NAMER
 from .policies import Policy
@@ -251,7 +251,7 @@ class Call:
         values, from what autograd saved."""
         assert self.tape is not None
         inputs: list[Any] = [
-            None if t is None else compat.unwrap_dead(t) for t in saved[: self.n_inputs]
+            None if t is None else compat.unwrap_dead_tensor(t) for t in saved[: self.n_inputs]
         ]
         for i, before in self.tape.written_inputs.items():
             if needs[i]:
@@ -262,7 +262,7 @@ class Call:
                     f"that need no gradient (a BatchNorm's running statistics); write to a copy"
                 )
             inputs[i] = before
-        kept = [compat.unwrap_dead(t) for t in saved[self.n_inputs :] if t is not None]
+        kept = [compat.unwrap_dead_tensor(t) for t in saved[self.n_inputs :] if t is not None]
         return inputs, kept
 
     def backward(
@@ -275,7 +275,7 @@ class Call:
         taken off the stack for the recompute (it runs this backward once)."""
         level = _running_level("grad", saved[: self.n_inputs])
         inputs, kept = self._saved(saved, needs)
-        gs: list[Any] = [None if g is None else compat.unwrap_dead(g) for g in grads]
+        gs: list[Any] = [None if g is None else compat.unwrap_dead_tensor(g) for g in grads]
 
         def compute(strip: Callable[[Any], Any] | None) -> list[torch.Tensor | None]:
             if strip is None and not torch.is_grad_enabled() and not _differentiating():
@@ -323,7 +323,7 @@ class Call:
         needs = [t is not None for t in tangents]
         level = _running_level("jvp", saved[: self.n_inputs])
         inputs, kept = self._saved(saved, needs)
-        ts: list[Any] = [None if t is None else compat.unwrap_dead(t) for t in tangents]
+        ts: list[Any] = [None if t is None else compat.unwrap_dead_tensor(t) for t in tangents]
 
         def compute(strip: Callable[[Any], Any] | None) -> list[torch.Tensor | None]:
             if strip is None:
@@ -398,7 +398,7 @@ def _stripped(
     compute: Callable[[Callable[[Any], Any] | None], list[torch.Tensor | None]],
 ) -> list[torch.Tensor | None]:
     """``compute(unwrap)`` with the transform ``level`` (the innermost) taken off the stack
-    (:mod:`pshard._remat.compat` explains why), its results wrapped back at that level with no
+    (:mod:`pshard._compat` explains why), its results wrapped back at that level with no
     history there; ``compute(None)`` as is when ``level`` is ``None``."""
     if level is None:
         return compute(None)
@@ -453,7 +453,7 @@ def _version(t: torch.Tensor) -> int | None:
     """The version of the tensor under every functorch wrapper (what an in-place change of
     the caller's tensor bumps)."""
     try:
-        return int(compat.base_of(t)._version)
+        return int(compat.innermost(t)._version)
     except (RuntimeError, AttributeError):
         return None
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import compat
+from .. import _compat as compat
 
 __all__ = ["Lifted", "find_modules", "unpack_partial"]
 

@@ -19,7 +19,7 @@ import torch
 
 from pshard._core.tree import article
 
-from . import compat
+from .. import _compat as compat
 from .explain import difference, draw_difference
 from .ops import (
     BOOKKEEPING,
@@ -287,7 +287,7 @@ class Replayer(compat.TorchDispatchMode):
                 f"{instead if differs is None else f'; it ran it with {differs}'}. {advice}"
             )
         for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
-            if src is not None and self._sources.get(compat.base_of(t)) != src:
+            if src is not None and self._sources.get(compat.innermost(t)) != src:
                 raise ValueError(
                     f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                     f"forward: its output {i} ({tuple(t.shape)}, {t.dtype}) was computed "

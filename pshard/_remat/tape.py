@@ -45,7 +45,7 @@ import torch
 
 from pshard._core.tree import NAMESPACE
 
-from . import compat
+from .. import _compat as compat
 from .ops import (
     KEEPABLE,
     call_kind,
@@ -179,7 +179,7 @@ class Sources:
         self._src: dict[int, tuple[weakref.ref[torch.Tensor], Hashable]] = {}
         for i, t in enumerate(inputs):
             if t is not None:
-                self.bind(compat.base_of(t), ("in", i))
+                self.bind(compat.innermost(t), ("in", i))
 
     def bind(self, t: torch.Tensor, source: Hashable) -> None:
         self._src[id(t)] = (weakref.ref(t), source)
@@ -449,7 +449,7 @@ class Recorder(compat.TorchDispatchMode):
         the policy vetoes the name."""
         from .names import checkpoint_name
 
-        st = storage(compat.base_of(x))
+        st = storage(compat.innermost(x))
         j = None if st is None else self._writer.get(st)
         if j is None:  # an input, a new tensor or a tensor from outside: nothing to recompute
             return
@@ -460,14 +460,14 @@ class Recorder(compat.TorchDispatchMode):
             if self._ask(checkpoint_name, x, name=name):
                 entry.saved = True
                 if entry.held is None:
-                    entry.named = compat.base_of(x)
+                    entry.named = compat.innermost(x)
 
     def finish(self, outputs: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]) -> None:
         """End of the forward: note where the ``outputs`` came from (and what the checkpoint
         ``returned`` for them), keep what is saved (on the CPU when the policy offloads) and
         let go of everything else."""
         tape = self.tape
-        tape.outputs = [self._sources.get(compat.base_of(t)) for t in outputs]
+        tape.outputs = [self._sources.get(compat.innermost(t)) for t in outputs]
         tape.outside_versions = [version_of(t) for t in tape.outside]
         self._outside.clear()
         for src, r in zip(tape.outputs, returned, strict=True):
