@@ -914,6 +914,27 @@ def test_another_path_in_the_recompute_is_an_error() -> None:
         grad(_loss(checkpoint(shapes)))(W, randn(3, 3))
 
 
+def test_state_carried_from_the_forward_into_the_recompute_is_named() -> None:
+    """A function that keeps a value it computed outside itself (a key/value cache that grows on
+    each call) reads it back in the recompute: the error says so, naming the forward's
+    operation, not only that a tensor from outside differs."""
+    for run in (lambda f: grad(_loss(checkpoint(f)))(W, X), lambda f: _backward(checkpoint(f))):
+        cache = {"k": torch.zeros(0, 3, dtype=f64)}
+
+        def attend(w, x, cache=cache):
+            k = torch.cat([cache["k"], torch.tanh(x @ w)])  # the cache grows, as in decoding
+            cache["k"] = k
+            return k.sum(0)
+
+        text = (
+            "The tensor from outside that the recompute read is the output of operation 4 of "
+            "its forward (aten.cat.default), kept outside the function (in a cache, a list or "
+            "an attribute it writes)"
+        )
+        with pytest.raises(ValueError, match=re.escape(text)):
+            run(attend)
+
+
 def test_a_tensor_modified_in_place_before_the_backward_is_an_error() -> None:
     scale = randn(3)
 

@@ -29,6 +29,7 @@ from .ops import (
     describe_call,
     draw_arguments,
     factory_value,
+    storage,
     written,
 )
 from .rng import Rewind
@@ -115,6 +116,8 @@ class Replayer(compat.TorchDispatchMode):
         self._unmatched: str | None = None
         self._unmatched_keys: dict[Any, Hashable] = {}  # operator -> its first unmatched call
         self._changed: str | None = None  # a tensor from outside that changed, see finish
+        self._carried: int | None = None  # the forward's entry whose output it read from outside
+        self._made: dict[int, int] | None = None  # storage -> the forward's entry that made it
         self.replayed = 0
         self._returned: dict[int, list[torch.Tensor]] = {}
         for j, slots in tape.returned.items():
@@ -150,6 +153,8 @@ class Replayer(compat.TorchDispatchMode):
                 self._sources.bind(t, new_source(t, value))
             return out
         key, tensors = key_of(func, args, kwargs, self._sources, None)
+        if self._carried is None:
+            self._carried = self._carried_from_forward(tensors)
         if kind == "random":
             key = ("random", self._random)
             self._random += 1
@@ -218,6 +223,21 @@ class Replayer(compat.TorchDispatchMode):
             )
         return None
 
+    def _carried_from_forward(self, tensors: Sequence[torch.Tensor]) -> int | None:
+        """The forward's entry that computed one of ``tensors`` read from outside (state the
+        function kept from its forward: a cache), for the "another path" error."""
+        for t in tensors:
+            if not is_outside(self._sources.get(t)) or (s := storage(t)) is None:
+                continue
+            if self._made is None:
+                self._made = {}
+                for ref, j in self.tape.made:
+                    if (out := ref()) is not None and (made := storage(out)) is not None:
+                        self._made.setdefault(made, j)
+            if s in self._made:
+                return self._made[s]
+        return None
+
     def _draw_changed(self, entry: Entry, j: int, draw: tuple[tuple[str, Any], ...]) -> str | None:
         """Why a random draw of the recompute, the forward's draw ``j`` by its place and the
         same operator, differs in its arguments that are numbers (a rate, a deviation)."""
@@ -266,6 +286,16 @@ class Replayer(compat.TorchDispatchMode):
         if self._changed is not None:
             raise ValueError(self._changed)
         instead = f"; it ran {self._unmatched} instead" if self._unmatched else ""
+        carried = ""
+        if self._carried is not None:
+            j = self._carried
+            carried = (
+                f". The tensor from outside that the recompute read is the output of operation "
+                f"{j + 1} of its forward ({tape.entries[j].op}), kept outside the function (in a "
+                f"cache, a list or an attribute it writes): a checkpointed function must not "
+                f"carry state from one call to the next; turn that state off (a key/value cache "
+                f"is not needed to differentiate) or do not checkpoint the function"
+            )
         advice = (
             "A checkpointed function must compute the same thing each time it is called with "
             "the same arguments; a Python branch on a value that changed between the forward "
@@ -284,14 +314,15 @@ class Replayer(compat.TorchDispatchMode):
                 f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                 f"forward: the forward ran {entry.text} (operation {j + 1} of "
                 f"{len(tape.entries)}), which the recompute did not"
-                f"{instead if differs is None else f'; it ran it with {differs}'}. {advice}"
+                f"{instead if differs is None else f'; it ran it with {differs}'}{carried}. "
+                f"{advice}"
             )
         for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
             if src is not None and self._sources.get(compat.innermost(t)) != src:
                 raise ValueError(
                     f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                     f"forward: its output {i} ({tuple(t.shape)}, {t.dtype}) was computed "
-                    f"differently{instead}. {advice}"
+                    f"differently{instead}{carried}. {advice}"
                 )
 
     def close(self) -> None:

@@ -148,6 +148,9 @@ class Tape:
     that the forward read (index tables, masks) and their versions at its end: they are matched
     by place, not by source (see the module docs), so the recompute checks that each is
     unchanged (:mod:`pshard._remat.replay`).
+    ``made``: the fresh outputs of the forward's operators, held weakly, with the operator's
+    index: one that is still alive and read from outside by the recompute is state the function
+    kept from its forward (a cache), which the "another path" error names.
     ``error``: a policy's error, raised once the forward is done (raised inside an operator,
     Python may turn a ``TypeError`` into another one).
     """
@@ -167,6 +170,7 @@ class Tape:
     returned: dict[int, dict[int, tuple[weakref.ref[torch.Tensor], int]]] = dataclasses.field(
         default_factory=dict
     )
+    made: list[tuple[weakref.ref[torch.Tensor], int]] = dataclasses.field(default_factory=list)
     error: BaseException | None = None
 
 
@@ -476,7 +480,8 @@ class Recorder(compat.TorchDispatchMode):
                 if entry.kind == "compute" and not entry.vetoed and not tape.vmapped:
                     slots = tape.returned.setdefault(src[1], {})
                     slots[src[2]] = (weakref.ref(r), r._version)
-        for entry in tape.entries:
+        for j, entry in enumerate(tape.entries):
+            tape.made += [(ref, j) for ref in entry.refs[: entry.n_fresh]]
             kept = entry.outputs() if entry.saved else None
             if kept is not None:
                 entry.devices = [t.device for t in kept]
