@@ -914,6 +914,37 @@ def test_another_path_in_the_recompute_is_an_error() -> None:
         grad(_loss(checkpoint(shapes)))(W, randn(3, 3))
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [
+        cp.save_only_these_names("out"),
+        cp.save_anything_except_these_names("h"),
+        lambda op, *args, **kwargs: op is torch.ops.aten.tanh.default,
+    ],
+)
+def test_the_checkpoints_own_output_is_not_kept_twice(policy: Any) -> None:
+    """A policy that saves the checkpoint's output does not make the checkpoint hold it: the
+    caller holds it (the next layer's input), the backward takes it back while it lives and
+    computes it again once it is gone; the gradients are exact either way."""
+    x = randn(256, 64)
+
+    def layer(w, x):
+        return checkpoint_name(torch.tanh(checkpoint_name(x @ w, "h")), "out")
+
+    f = checkpoint(layer, policy=policy)
+    w = randn(64, 64).requires_grad_()
+    (expected,) = torch.autograd.grad(layer(w, x).sum(), w)
+    out = f(w, x)
+    loss = out.sum()
+    held = StorageWeakRef(out.untyped_storage())
+    del out
+    assert held.expired()  # only the caller held it
+    close(torch.autograd.grad(loss, w)[0], expected)
+    out = f(w, x)
+    ops = count(lambda: close(torch.autograd.grad(out.sum(), w)[0], expected))
+    assert ops["tanh"] == 0  # taken back while alive
+
+
 def test_state_carried_from_the_forward_into_the_recompute_is_named() -> None:
     """A function that keeps a value it computed outside itself (a key/value cache that grows on
     each call) reads it back in the recompute: the error says so, naming the forward's

@@ -482,6 +482,12 @@ class Recorder(compat.TorchDispatchMode):
                     slots[src[2]] = (weakref.ref(r), r._version)
         for j, entry in enumerate(tape.entries):
             tape.made += [(ref, j) for ref in entry.refs[: entry.n_fresh]]
+            returned_here = tape.returned.get(j, {})
+            if returned_here and len(returned_here) == sum(t == "t" for t, _ in entry.template):
+                # the checkpoint's own outputs: the recompute takes them back while they live
+                # (the next layer's input, saved there anyway) and computes them again once
+                # they are gone; keeping them too would hold the last layer's output for nothing
+                entry.saved = False
             kept = entry.outputs() if entry.saved else None
             if kept is not None:
                 entry.devices = [t.device for t in kept]
