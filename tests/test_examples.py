@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
         ("attention.py", ["--nprocs", "2"]),
         ("module_hooks.py", ["--nprocs", "2"]),
         ("hf_llama.py", ["--nprocs", "2", "--steps", "3", "--checkpointing"]),
-        ("functional_llama.py", ["--steps", "2", "--save-at", "1"]),
+        ("functional_llama.py", ["--steps", "2", "--save-at", "1", "--microbatches", "1"]),
     ],
 )
 def test_example_runs(script, args):
