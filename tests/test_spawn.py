@@ -275,6 +275,14 @@ def test_scripts_without_a_main_guard_and_functions_from_python_c(tmp_path):
     assert (
         "TypeError: spawn: fn 'f' is defined in `python -c`, an interactive session or a notebook"
     ) in proc.stderr
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(
+        "import pshard as ps\ndef f():\n    return 1\n"
+        "if __name__ == '__main__':\n    print(ps.spawn(f, nprocs=2))\n"
+    )
+    proc = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "[1, 1]", proc.stderr
 
 
 def _abort_on_rank1():
