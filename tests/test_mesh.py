@@ -88,6 +88,23 @@ def test_current_mesh_without_a_mesh():
         fresh(ps.current_mesh)
 
 
+def test_without_a_mesh_each_function_names_itself() -> None:
+    x, P = torch.ones(4, 3), ps.P
+    calls = {
+        "psum": lambda: ps.psum(x, "dp"),
+        "shard": lambda: ps.shard(x, P("dp")),
+        "shard_map": lambda: ps.shard_map(lambda a: a, in_specs=P("dp"), out_specs=P("dp"))(x),
+        "shard_map_seq": lambda: ps.shard_map_seq(
+            lambda a: a, in_specs=ps.Shard(1), out_specs=ps.Shard(1)
+        )(x),
+        "resolve_axis": lambda: resolve_axis("dp", fn="resolve_axis"),
+    }
+    for name, call in calls.items():
+        text = f"{name}: no current mesh; create one with ps.init_mesh({{...}}) or enter"
+        with pytest.raises(RuntimeError, match=re.escape(text)):
+            fresh(call)
+
+
 def test_use_mesh_nests_and_restores_also_on_exception():
     def body():
         outer = ps.init_mesh({"a": 1})

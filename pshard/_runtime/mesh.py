@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .._compat import flattened_group
 from .._core.checks import axis_names
 
-__all__ = ["Axis", "AxisInfo", "current_mesh", "init_mesh", "resolve_axis", "use_mesh"]
+__all__ = ["Axis", "AxisInfo", "current_mesh", "init_mesh", "mesh_for", "resolve_axis", "use_mesh"]
 
 
 class _Scope(NamedTuple):
@@ -196,11 +196,16 @@ def current_mesh() -> DeviceMesh:
     Raises:
         RuntimeError: when there is none.
     """
+    return mesh_for("pshard")
+
+
+def mesh_for(fn: str) -> DeviceMesh:
+    """:func:`current_mesh` for the function ``fn``, which the error names when there is none."""
     scope = _CURRENT_MESH.get()
     if scope is None:
         raise RuntimeError(
-            "pshard: no current mesh; create one with ps.init_mesh({...}) or enter "
-            "ps.use_mesh(mesh)"
+            f"{fn}: no current mesh; create one with ps.init_mesh({{...}}) or enter "
+            f"ps.use_mesh(mesh)"
         )
     return scope.mesh
 
@@ -243,7 +248,7 @@ def resolve_axis(axis: Axis, *, mesh: DeviceMesh | None = None, fn: str = "pshar
         return AxisInfo(axis if size > 1 else None, size, dist.get_rank(axis), f"group{size}")
     scope = _CURRENT_MESH.get()
     if mesh is None:
-        mesh = current_mesh()  # raises when there is none
+        mesh = mesh_for(fn)  # raises when there is none
     if not dist.is_initialized():  # the mesh outlived its groups
         raise RuntimeError(_no_group(axis, fn))
     # axes resolved in the current mesh are cached in its scope; another mesh resolves afresh

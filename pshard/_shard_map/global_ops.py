@@ -42,7 +42,7 @@ from .._core.placements import (
 )
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe, keystr, tree_flatten_with_path, tree_map, tree_unflatten
-from .._runtime.mesh import current_mesh
+from .._runtime.mesh import mesh_for
 from .boundary import BlockLayout, FromBlocks, ToBlock, check_replicated, exchange_shapes
 from .mesh_view import MeshView, block_layout
 
@@ -118,7 +118,7 @@ def _view(mesh: DeviceMesh, fn: str) -> MeshView:
 
 def _mesh(mesh: DeviceMesh | None, fn: str) -> DeviceMesh:
     if mesh is None:
-        return current_mesh()
+        return mesh_for(fn)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{fn}: mesh must be a DeviceMesh, got {describe(mesh)}")
     if not mesh.mesh_dim_names:
@@ -422,7 +422,7 @@ def reshard(tree: Any, specs: Any, *, mesh: DeviceMesh | None = None) -> Any:
         if not is_global(x) and not isinstance(x, torch.Tensor):
             out.append(x)
             continue
-        m = target if target is not None else x.meta.mesh if is_global(x) else current_mesh()
+        m = target if target is not None else x.meta.mesh if is_global(x) else mesh_for(fn)
         ndim = x.ndim
         spec = global_spec(s, ndim, m, fn, where)
         meta = GlobalMeta(spec, mesh_key(m), tuple(x.shape), m)

@@ -20,7 +20,7 @@ from .._core.global_tensor import is_global
 from .._core.placements import P, Partial, Placement, Replicate
 from .._core.specs import resolve_specs
 from .._core.tree import describe, keystr, tree_flatten_with_path, tree_unflatten
-from .._runtime.mesh import current_mesh, use_mesh
+from .._runtime.mesh import mesh_for, use_mesh
 from .boundary import BlockLayout, FromBlocks, PartialExtreme, ToBlock
 from .global_boundary import as_spec, enter_global, exit_global, sharded_outputs
 from .mesh_view import MeshView, block_layout
@@ -308,7 +308,7 @@ def shard_map(
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
-        m = MeshView(current_mesh() if mesh is None else mesh, names, _FN)
+        m = MeshView(mesh_for(_FN) if mesh is None else mesh, names, _FN)
         check = bool(check_rep) or m.debug
         arg_specs, kw_specs = in_specs, None
         if in_specs is None:

@@ -37,7 +37,7 @@ from .._core.tree import describe, tree_flatten
 from .._remat.checkpoint import checkpoint
 from .._remat.names import checkpoint_name
 from .._remat.policies import save_anything_except_these_names
-from .._runtime.mesh import current_mesh
+from .._runtime.mesh import mesh_for
 from .global_ops import gather
 
 __all__ = ["GATHER_NAME", "sharded_call"]
@@ -140,7 +140,7 @@ def _gather_block(
     pairs = _axes_of(spec, name)
     if not pairs:
         return block
-    mesh = current_mesh()
+    mesh = mesh_for(_FN)
     names = tuple(mesh.mesh_dim_names or ())
     sizes = {a: mesh.size(names.index(a)) for a, _ in pairs}
     coord = {a: mesh.get_local_rank(a) for a, _ in pairs}

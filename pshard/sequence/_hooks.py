@@ -43,7 +43,7 @@ from .._collectives.functions import all_gather
 from .._core.checks import axis_names
 from .._core.tree import describe, tree_flatten_with_path, tree_unflatten
 from .._runtime.debug import debug_enabled
-from .._runtime.mesh import Axis, AxisInfo, current_mesh, resolve_axis, use_mesh
+from .._runtime.mesh import Axis, AxisInfo, mesh_for, resolve_axis, use_mesh
 from .._runtime.wire import Comm, all_reduce, comm
 from .._shard_map.boundary import check_replicated
 from ._context import SeqAttention, SeqContext, record_for_backward, sequence_context
@@ -162,7 +162,7 @@ class SequenceParallel:
         self._check_model = debug_enabled()
         if self._check_model:
             try:
-                mesh = current_mesh() if self._mesh is None else self._mesh
+                mesh = mesh_for(_FN) if self._mesh is None else self._mesh
             except RuntimeError:  # no mesh yet: checked at the first call
                 pass
             else:
@@ -244,7 +244,7 @@ class SequenceParallel:
     def _pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        mesh = current_mesh() if self._mesh is None else self._mesh
+        mesh = mesh_for(_FN) if self._mesh is None else self._mesh
         rest, kwargs = self._bind(args, kwargs)
         ref = next(
             (kwargs[k] for k in SEQUENCE_KEYS if isinstance(kwargs.get(k), torch.Tensor)),

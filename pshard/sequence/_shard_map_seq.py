@@ -42,7 +42,7 @@ from .._core.tree import (
     tree_unflatten,
 )
 from .._runtime.debug import debug_enabled
-from .._runtime.mesh import current_mesh, resolve_axis
+from .._runtime.mesh import mesh_for, resolve_axis
 from .._runtime.wire import Comm
 from .._shard_map.shard_map import Local, shard_map
 from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
@@ -236,7 +236,7 @@ def shard_map_seq(
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
-        m = current_mesh() if mesh is None else mesh
+        m = mesh_for(_FN) if mesh is None else mesh
         info = resolve_axis(names, mesh=m, fn=_FN)
         arg_specs = in_specs
         if in_specs is None:
