@@ -249,6 +249,13 @@ def test_errors_name_the_key_path(mesh: object) -> None:
         ps.psum(params, "dp")
     with _raises(TypeError, "all_gather: x is a GlobalTensor of shape (5, 3)"):
         ps.all_gather(params["w"], "dp")
+    text = (
+        "inside a map over the axes that split it ('dp'): map over them too (a map over other "
+        "axes hands it on as it is), or get the whole value with ps.gather"
+    )
+    with _raises(TypeError, text):  # inside a map over another axis too
+        rows = ps.shard(torch.ones(4), ps.P("dp"))
+        ps.shard_map(lambda: ps.psum(rows, "tp"), in_specs=(), out_specs=ps.P())()
     other = ps.init_mesh({"x": 1})
     with _raises(ValueError, "shard_map in_specs[0]: a GlobalTensor on mesh {'dp': 1, 'tp': 1}"):
         ps.shard_map(lambda w: w, mesh=other, in_specs=ps.P(), out_specs=ps.P())(params["w"])

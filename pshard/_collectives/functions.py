@@ -91,11 +91,13 @@ def _map_leaves(
     out = []
     for i, leaf in enumerate(leaves):
         if is_global(leaf):
+            split = [e for e in leaf.spec if e is not None]
+            axes = ", ".join(repr(a) for e in split for a in ((e,) if isinstance(e, str) else e))
             raise TypeError(
                 f"{fn}: {path(i)()} is {describe(leaf)}; collectives work on this rank's "
-                f"blocks inside a map over the axes that split it: pass it through "
-                f"ps.shard_map over those axes (fn receives its block), or get the whole "
-                f"value with ps.gather"
+                f"blocks inside a map over the axes that split it ({axes}): map over them too "
+                f"(a map over other axes hands it on as it is), or get the whole value with "
+                f"ps.gather"
             )
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
