@@ -14,7 +14,7 @@ Imports torch only; every layer of pshard may import it.
   :func:`flattened_group`, :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
   :data:`OpOverload`, :class:`TorchDispatchMode`;
-- pytree registration with torch's own pytree: :func:`register_torch_pytree`;
+- torch's own pytree: :func:`register_torch_pytree`, :func:`get_attr_key`;
 - what ``ps.checkpoint`` needs: functorch's interpreter stack (:func:`transforms`,
   :func:`top_transform`, :func:`level_of`, :func:`unwrap_level`, :func:`wrap_level`,
   :func:`lowered`, :func:`live_wrapper`, :func:`is_batched`, :func:`unwrap_dead_tensor`),
