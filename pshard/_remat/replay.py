@@ -28,7 +28,6 @@ from .ops import (
     call_kind,
     describe_call,
     draw_arguments,
-    factory_value,
     storage,
     written,
 )
@@ -41,7 +40,7 @@ from .tape import (
     fresh_outputs,
     is_outside,
     key_of,
-    new_source,
+    run_factory,
     traced,
     version_of,
 )
@@ -147,11 +146,7 @@ class Replayer(compat.TorchDispatchMode):
             return func(*args, **kwargs)
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
-            out = func(*args, **kwargs)
-            value = factory_value(func, args, kwargs)
-            for t in fresh_outputs(out, []):
-                self._sources.bind(t, new_source(t, value))
-            return out
+            return run_factory(self._sources, func, args, kwargs)
         key, tensors = key_of(func, args, kwargs, self._sources, None)
         if self._carried is None:
             self._carried = self._carried_from_forward(tensors)

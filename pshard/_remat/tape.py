@@ -68,6 +68,7 @@ __all__ = [
     "is_outside",
     "key_of",
     "new_source",
+    "run_factory",
     "traced",
     "version_of",
 ]
@@ -288,6 +289,16 @@ def _template(
     return spec, tmpl
 
 
+def run_factory(sources: Sources, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    """Run a factory (``torch.zeros``, ``torch.arange``) and note its new tensors' sources: what
+    fills them, not which factory made them (the forward and the recompute alike)."""
+    out = func(*args, **kwargs)
+    value = factory_value(func, args, kwargs)
+    for t in fresh_outputs(out, []):
+        sources.bind(t, new_source(t, value))
+    return out
+
+
 def fresh_outputs(out: Any, writes: list[torch.Tensor]) -> list[torch.Tensor]:
     leaves = optree.tree_leaves(out, none_is_leaf=True, namespace=NAMESPACE)
     return [x for x in leaves if isinstance(x, torch.Tensor) and not any(x is w for w in writes)]
@@ -345,11 +356,7 @@ class Recorder(compat.TorchDispatchMode):
         tape = self.tape
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
-            out = func(*args, **kwargs)
-            value = factory_value(func, args, kwargs)
-            for t in fresh_outputs(out, []):
-                self._sources.bind(t, new_source(t, value))
-            return out
+            return run_factory(self._sources, func, args, kwargs)
         key, tensors = key_of(func, args, kwargs, self._sources, None)
         if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
             tape.rng = before_draw(tape.rng, args, kwargs)
