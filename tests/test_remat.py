@@ -869,6 +869,20 @@ def test_a_recompute_that_differs_in_a_scalar_is_an_error() -> None:
     with pytest.raises(ValueError, match=re.escape("drew with p=0.9 where the forward had p=0.5")):
         pull(torch.ones(2, 3, dtype=f64))
 
+    def drawn(w, x):  # the rate in a tensor the draw reads
+        h = torch.tanh(x @ w)
+        return h * torch.bernoulli(torch.full_like(h, rate[0]))
+
+    rate[0] = 0.5
+    _, pull = vjp(checkpoint(drawn), W, X)
+    rate[0] = 0.9
+    text = (
+        "drew with self a new tensor filled with 0.9 where the forward had self a new tensor "
+        "filled with 0.5"
+    )
+    with pytest.raises(ValueError, match=re.escape(text)):
+        pull(torch.ones(2, 3, dtype=f64))
+
     scale, table = randn(3), randn(3, 30)  # known by value, by identity and version
     _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w) * scale), W, X)
     scale.mul_(-1)

@@ -150,6 +150,7 @@ class Replayer(compat.TorchDispatchMode):
         key, tensors = key_of(func, args, kwargs, self._sources, None)
         if self._carried is None:
             self._carried = self._carried_from_forward(tensors)
+        content = key
         if kind == "random":
             key = ("random", self._random)
             self._random += 1
@@ -169,7 +170,8 @@ class Replayer(compat.TorchDispatchMode):
             if entry.outside:
                 self._changed = self._outside_changed(entry, j, tensors)
             elif kind == "random" and entry.op is func:  # not when functorch draws otherwise
-                self._changed = self._draw_changed(entry, j, draw_arguments(func, args, kwargs))
+                draw = draw_arguments(func, args, kwargs)
+                self._changed = self._draw_changed(entry, j, draw, content)
         if entry is not None and not again and (entry.saved or j in self._returned):
             out, fresh = self._replay(entry, writes, self._returned.get(j))  # type: ignore[arg-type]
             self.replayed += 1
@@ -233,10 +235,13 @@ class Replayer(compat.TorchDispatchMode):
                 return self._made[s]
         return None
 
-    def _draw_changed(self, entry: Entry, j: int, draw: tuple[tuple[str, Any], ...]) -> str | None:
+    def _draw_changed(
+        self, entry: Entry, j: int, draw: tuple[tuple[str, Any], ...], content: Hashable
+    ) -> str | None:
         """Why a random draw of the recompute, the forward's draw ``j`` by its place and the
-        same operator, differs in its arguments that are numbers (a rate, a deviation)."""
-        differs = draw_difference(entry.draw, draw)
+        same operator, differs in its arguments: a number (a rate, a deviation) or a tensor it
+        reads (the probabilities of ``torch.bernoulli``)."""
+        differs = draw_difference(entry.draw, draw) or difference(entry.op, entry.draw_key, content)
         if differs is None:
             return None
         return (

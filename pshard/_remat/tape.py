@@ -83,8 +83,10 @@ class Entry:
     """One operator of the forward.
 
     ``key``: how the recompute identifies it (:func:`key_of`; a random draw by its place).
-    ``draw``: a random draw's arguments that are numbers (a rate; see
-    :func:`pshard._remat.ops.draw_arguments`).
+    ``draw``/``draw_key``: a random draw's arguments that are numbers (a rate; see
+    :func:`pshard._remat.ops.draw_arguments`) and its key by content (:func:`key_of`: the
+    tensors it reads, such as the probabilities of ``torch.bernoulli``), compared with the
+    recompute's draw at its place.
     ``outside``: ``(position among its tensor arguments, index in :attr:`Tape.outside`)`` of
     the integer and boolean tensors from outside the function it read.
     ``refs``/``geometry``: its outputs (the ``n_fresh`` fresh ones, then the tensors it wrote),
@@ -115,6 +117,7 @@ class Entry:
     outside: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     key: Hashable = None
     draw: tuple[tuple[str, Any], ...] = ()
+    draw_key: Hashable = None
 
     def unsave(self) -> None:
         self.saved, self.vetoed, self.held, self.named = False, True, None, None
@@ -358,6 +361,7 @@ class Recorder(compat.TorchDispatchMode):
         if kind == "factory":
             return run_factory(self._sources, func, args, kwargs)
         key, tensors = key_of(func, args, kwargs, self._sources, None)
+        content = key
         if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
             tape.rng = before_draw(tape.rng, args, kwargs)
             key = ("random", self._random)
@@ -372,7 +376,7 @@ class Recorder(compat.TorchDispatchMode):
         entry = Entry(func, kind, describe_call(func, tensors), *_template(out, fresh, writes))
         entry.key = key
         if kind == "random":
-            entry.draw = draw_arguments(func, args, kwargs)
+            entry.draw, entry.draw_key = draw_arguments(func, args, kwargs), content
         entry.floating = any(t.is_floating_point() or t.is_complex() for t in [*tensors, *fresh])
         entry.inputs = [self._sources.get(t) for t in tensors]
         entry.fresh_meta = [(t.shape, t.dtype, t.device) for t in fresh]
