@@ -309,27 +309,44 @@ def spec_placements(spec: P, key: MeshKey) -> tuple[Placement, ...]:
     out: list[Placement] = [Replicate()] * len(key.names)
     for d, entry in enumerate(spec):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        for j, name in enumerate(axes):
+        for name in axes:
             if name not in position:
                 raise ValueError(
                     f"{spec!r} names mesh axis {name!r}, which is not in the mesh "
                     f"(axes {key.text()})"
                 )
-            before = [a for a in axes[:j] if position[a] > position[name]]
+        # axes of size 1 split nothing: the order is that of the others; they are Shard(d) as
+        # well, unless the dim is strided, whose split factors count only the others
+        splitting = [a for a in axes if key.size(a) > 1]
+        strided = False
+        for j, name in enumerate(splitting):
+            before = [a for a in splitting[:j] if position[a] > position[name]]
             factor = math.prod(key.size(a) for a in before)
             out[position[name]] = Shard(d) if factor == 1 else StridedShard(d, factor)
+            strided = strided or factor > 1
+        for name in axes:
+            if key.size(name) == 1:
+                out[position[name]] = Replicate() if strided else Shard(d)
     placements = tuple(out)
     try:
         written = placements_spec(placements, key, len(spec), check=False)
     except ValueError:
         written = None
-    if written != spec:
+    # where a size-1 axis stands in an entry changes no block (DTensor writes mesh order)
+    if written is None or _splitting(written, key) != _splitting(spec, key):
         raise ValueError(
             f"{spec!r} splits a dim by mesh axes in an order that DTensor's placements cannot "
             f"write (mesh {key.text()}); list the axes of each dim in mesh order, or with the "
             f"later mesh axes first"
         )
     return placements
+
+
+def _splitting(spec: P, key: MeshKey) -> tuple[tuple[str, ...], ...]:
+    """``spec``'s entries without the mesh axes of size 1 (which split nothing)."""
+    sizes = dict(zip(key.names, key.sizes, strict=True))
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    return tuple(tuple(a for a in e if sizes.get(a, 2) > 1) for e in entries)
 
 
 def placements_spec(
