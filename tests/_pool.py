@@ -1,4 +1,12 @@
-"""A pool of persistent gloo workers for multi-process tests (the ``pool`` fixture).
+"""The multi-rank test harnesses: in-process ranks (the ``pool`` fixture) and a pool of
+persistent gloo workers (the ``procs`` fixture, for the tests where processes are the point).
+
+``ThreadPool.run`` runs ``fn`` on in-process ranks (``ps.spawn(..., backend="threads")``'s
+machinery): nothing starts up, nothing is pickled, and the numbers are those of gloo processes.
+Each rank starts like a worker of the process pool: ``torch.manual_seed(0)`` and a fresh
+``contextvars.Context()``.
+
+The rest of this docstring is the process pool's.
 
 One gang of ``nprocs`` workers per world size, started on first use and reused by later tests
 (process group kept alive). Built on ``pshard._runtime.gang.Gang``, the machinery under
@@ -32,6 +40,7 @@ import torch
 
 from pshard._runtime.gang import Gang
 from pshard._runtime.spawn import check_fn, pickle_task
+from pshard._runtime.threads import run_threads
 
 # Seconds a fresh gang may take to start (imports of torch on a loaded 2-core machine).
 _STARTUP_TIMEOUT_S = 120.0
@@ -98,3 +107,18 @@ class WorkerPool:
         gangs, self._gangs = self._gangs, {}
         for gang in gangs.values():
             gang.close()
+
+
+def _call_in_thread(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """Runs in each in-process rank (a fresh context already): ``fn`` after seeding."""
+    torch.manual_seed(0)
+    return fn(*args, **kwargs)
+
+
+class ThreadPool:
+    """``pool.run(nprocs, fn, *args, timeout=120.0, **kwargs)`` on in-process ranks."""
+
+    def run(self, nprocs: int, fn: Callable, /, *args: Any, timeout: float = 120.0, **kwargs: Any):
+        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"pool.run: nprocs must be an int >= 1, got {nprocs!r}")
+        return run_threads(_call_in_thread, (fn, args, kwargs), {}, nprocs, timeout, "pool.run")

@@ -46,5 +46,5 @@ def _worker() -> bool:
     return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-def test_results_do_not_depend_on_what_was_cached(pool: Any) -> None:
-    assert pool.run(2, _worker) == [True, True]
+def test_results_do_not_depend_on_what_was_cached(procs: Any) -> None:
+    assert procs.run(2, _worker) == [True, True]

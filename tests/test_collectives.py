@@ -607,11 +607,11 @@ def _pairwise_gather_worker() -> dict:
     return out
 
 
-def test_large_gloo_gathers_go_pairwise(pool) -> None:
+def test_large_gloo_gathers_go_pairwise(procs) -> None:
     """gloo's all-gathers of 256 KiB per rank and more are pairwise sends and receives, each
     rank's block in its axis slot (reordered tuple axes, sub-groups of a 2x2 mesh), gradients
     through the transpose; smaller ones stay on gloo's own all-gather."""
-    for res in pool.run(4, _pairwise_gather_worker):
+    for res in procs.run(4, _pairwise_gather_worker):
         for (axis, size), (y, g, used) in res.items():
             k = 2 if axis == "x" else 4
             n = y.shape[1] // k

@@ -67,8 +67,8 @@ def _collectives_body(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_collective_compiles_equal_to_eager(pool, backend):
-    pool.run(2, _collectives_body, backend)
+def test_every_collective_compiles_equal_to_eager(procs, backend):
+    procs.run(2, _collectives_body, backend)
 
 
 def _three(x: torch.Tensor) -> torch.Tensor:
@@ -91,8 +91,8 @@ def _explain_body() -> tuple[int, int, list[str]]:
     return report.graph_count, report.graph_break_count, ops
 
 
-def test_three_collectives_make_one_graph(pool):
-    for graphs, breaks, ops in pool.run(2, _explain_body):
+def test_three_collectives_make_one_graph(procs):
+    for graphs, breaks, ops in procs.run(2, _explain_body):
         assert (graphs, breaks) == (1, 0)
         assert ops == [f"pshard.{op}.default" for op in ("psum", "all_gather", "psum_scatter")]
 
@@ -106,8 +106,8 @@ def _state_body() -> list:
     return sorted(set(vars(mesh)) - set(before))
 
 
-def test_no_state_written_into_the_mesh(pool):
-    assert pool.run(2, _state_body) == [[], []]
+def test_no_state_written_into_the_mesh(procs):
+    assert procs.run(2, _state_body) == [[], []]
 
 
 def _other_mesh_body() -> str:
@@ -121,8 +121,8 @@ def _other_mesh_body() -> str:
     return "ok"
 
 
-def test_compiled_function_refuses_a_mesh_with_other_sizes(pool):
-    assert pool.run(2, _other_mesh_body) == ["ok", "ok"]
+def test_compiled_function_refuses_a_mesh_with_other_sizes(procs):
+    assert procs.run(2, _other_mesh_body) == ["ok", "ok"]
 
 
 # --- transforms -----------------------------------------------------------------------------------
@@ -146,8 +146,8 @@ def _shard_map_body(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_grad_of_shard_map_compiles(pool, backend):
-    pool.run(2, _shard_map_body, backend)
+def test_grad_of_shard_map_compiles(procs, backend):
+    procs.run(2, _shard_map_body, backend)
 
 
 def _attention_body(kind: str, backend: str) -> None:
@@ -177,8 +177,8 @@ def _attention_body(kind: str, backend: str) -> None:
 
 @pytest.mark.parametrize("kind", ["ulysses", "ring"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sequence_parallel_attention_compiles(pool, kind, backend):
-    pool.run(2, _attention_body, kind, backend)
+def test_sequence_parallel_attention_compiles(procs, kind, backend):
+    procs.run(2, _attention_body, kind, backend)
 
 
 def _microbatch_body(backend: str) -> None:
@@ -200,8 +200,8 @@ def _microbatch_body(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_microbatched_grad_and_value_compiles(pool, backend):
-    pool.run(2, _microbatch_body, backend)
+def test_microbatched_grad_and_value_compiles(procs, backend):
+    procs.run(2, _microbatch_body, backend)
 
 
 @pytest.mark.parametrize("spec", ["mean", "sum", "max", "concat"])

@@ -153,13 +153,13 @@ def _robustness_worker(case: str) -> str:
 
 
 @pytest.mark.parametrize("case", ["structure", "skipped", "partial"])
-def test_debug_mode_catches_what_would_hang(pool, case: str) -> None:
+def test_debug_mode_catches_what_would_hang(procs, case: str) -> None:
     """Pytrees of different structure, a rank that skips a collective, and debug mode on in
     only some ranks are errors naming the ranks within seconds, not hangs."""
-    pool.run(2, _noop)
+    procs.run(2, _noop)
     start = time.monotonic()
     with pytest.raises(ValueError) as info:
-        pool.run(2, _robustness_worker, case, timeout=60.0)
+        procs.run(2, _robustness_worker, case, timeout=60.0)
     assert time.monotonic() - start < 15.0
     text = str(info.value)
     if case == "structure":

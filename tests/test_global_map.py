@@ -388,8 +388,8 @@ def _compile_worker() -> int:
     return 1
 
 
-def test_global_tensors_compile(pool: Any) -> None:
-    assert pool.run(2, _compile_worker) == [1, 1]
+def test_global_tensors_compile(procs: Any) -> None:
+    assert procs.run(2, _compile_worker) == [1, 1]
 
 
 # --------------------------------------------------------------------------- errors

@@ -100,10 +100,10 @@ def _fails_within(pool, seconds: float, fn) -> str:
     return str(info.value)
 
 
-def test_a_rank_that_returns_instead_of_calling_a_collective_is_named(pool) -> None:
+def test_a_rank_that_returns_instead_of_calling_a_collective_is_named(procs) -> None:
     """Rank 0 waits in debug mode's check of a psum that rank 1 never calls: named in seconds
     (it was the check's own timeout, 60 s)."""
-    text = _fails_within(pool, 10.0, _returns_early)
+    text = _fails_within(procs, 10.0, _returns_early)
     assert text.startswith(
         "pool.run: rank 1 of 2 returned while rank 0 is still waiting in a collective (psum on "
         "axis 'x', in debug mode's check, " + _at("_returns_early")
@@ -114,10 +114,10 @@ def test_a_rank_that_returns_instead_of_calling_a_collective_is_named(pool) -> N
     ), text
 
 
-def test_a_rank_that_skips_ahead_to_another_collective_is_named(pool) -> None:
+def test_a_rank_that_skips_ahead_to_another_collective_is_named(procs) -> None:
     """Rank 1 skips a psum and waits in the next one, on another group, for rank 0, which waits
     for it in the psum it skipped: both named, with where they wait."""
-    text = _fails_within(pool, 10.0, _skips_ahead)
+    text = _fails_within(procs, 10.0, _skips_ahead)
     assert text.startswith(
         "pool.run: ranks 0, 1 of 2 wait for each other in different collectives for more than "
         "3 s (rank 0 waits in psum on axis 'x', in debug mode's check, " + _at("_skips_ahead")
@@ -132,10 +132,10 @@ def test_a_rank_that_skips_ahead_to_another_collective_is_named(pool) -> None:
     ), text
 
 
-def test_debug_mode_on_in_some_ranks_only_is_named(pool) -> None:
+def test_debug_mode_on_in_some_ranks_only_is_named(procs) -> None:
     """Debug mode on in rank 0 only: rank 0 waits in the check, rank 1 in the collective itself
     (both hung until the check's timeout)."""
-    text = _fails_within(pool, 10.0, _debug_in_rank0_only)
+    text = _fails_within(procs, 10.0, _debug_in_rank0_only)
     assert text.startswith(
         "pool.run: debug mode is on in rank 0 and off in rank 1 of 2, which wait for each other "
         "for more than 3 s (rank 0 waits in psum on axis 'x', in debug mode's check, "
@@ -190,7 +190,8 @@ def test_spawn_of_a_function_read_from_standard_input_says_so() -> None:
     assert (
         "TypeError: spawn: fn 'f' is defined in `python -c`, an interactive session or a "
         "notebook, where the worker processes cannot import it from (they start fresh and import "
-        "fn by module and name); put fn in a .py file (a module, or the script you run) and "
+        "fn by module and name); run the ranks as threads of this process instead "
+        "(backend='threads'), or put fn in a .py file (a module, or the script you run) and "
         "import it"
     ) in proc.stderr, proc.stderr
     assert "joined the process group" not in proc.stderr  # raised before any rank started

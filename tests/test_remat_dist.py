@@ -96,7 +96,7 @@ def _fsdp_worker(params: list, batch: tuple) -> dict:
     return out
 
 
-def test_fsdp_per_layer_remat(pool) -> None:
+def test_fsdp_per_layer_remat(procs) -> None:
     torch.manual_seed(0)
     sizes = [6, 8, 8, 4]
     params = [
@@ -106,7 +106,7 @@ def test_fsdp_per_layer_remat(pool) -> None:
     batch = (torch.randn(10, sizes[0], dtype=f64), torch.randn(10, sizes[-1], dtype=f64))
     want = grad(_loss)(params, batch)
     forward = 2 * len(params)  # gathers in the forward: each weight and each bias, once
-    for rank in pool.run(2, _fsdp_worker, params, batch):
+    for rank in procs.run(2, _fsdp_worker, params, batch):
         for name, (g, _) in rank.items():
             assert _close(g, want), name
         gathers = {k: ops["c10d._allgather_base_"] for k, (_, ops) in rank.items()}
@@ -160,10 +160,10 @@ def _shard_map_worker(x: torch.Tensor, w: torch.Tensor) -> dict:
     return out
 
 
-def test_nests_both_ways_with_shard_map(pool) -> None:
+def test_nests_both_ways_with_shard_map(procs) -> None:
     torch.manual_seed(1)
     x, w = torch.randn(6, 3, dtype=f64), torch.randn(3, 3, dtype=f64)
-    for rank in pool.run(2, _shard_map_worker, x, w):
+    for rank in procs.run(2, _shard_map_worker, x, w):
         plain = rank.pop("plain")
         for name, (grad_ok, jvp_ok, psums) in rank.items():
             assert grad_ok and jvp_ok, name

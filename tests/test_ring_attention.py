@@ -288,10 +288,10 @@ def count_worker(n: int, s: int, kind: str, seg: torch.Tensor | None = None) -> 
     return rows
 
 
-def test_kernel_skips_masked_blocks(pool) -> None:
+def test_kernel_skips_masked_blocks(procs) -> None:
     n, s = 4, 32
     for kind in LAYOUTS:
-        rows = pool.run(n, count_worker, n, s, kind)
+        rows = procs.run(n, count_worker, n, s, kind)
         chunk = s // n // 2
         want = [(c.full + c.partial) * chunk * chunk for c in block_counts(kind, s, n, True)]
         assert rows == want, kind
@@ -321,7 +321,7 @@ def triangle_worker(n: int, s: int, kind: str, hkv: int) -> list[int]:
     return flagged
 
 
-def test_triangular_blocks_use_the_kernels_causal_flag(pool) -> None:
+def test_triangular_blocks_use_the_kernels_causal_flag(procs) -> None:
     """Each rank's chunks against themselves (zigzag, contiguous: 2 per rank) go to the kernel
     as plain causal blocks, and so do stripe chunks against an earlier rank's (the lower
     triangle) and a later rank's (the strict one: rows 1: against keys :-1), grouped query heads
@@ -330,11 +330,11 @@ def test_triangular_blocks_use_the_kernels_causal_flag(pool) -> None:
     n = 2
     for hkv in (2, 1):  # 2 query heads: one per key/value head, or both on one
         for kind in ("zigzag", "contiguous"):
-            assert pool.run(n, triangle_worker, n, 16, kind, hkv) == [[2, 0], [2, 0]], kind
+            assert procs.run(n, triangle_worker, n, 16, kind, hkv) == [[2, 0], [2, 0]], kind
         # stripe: rank 0 sees rank 1's chunks strictly below the diagonal, rank 1 sees rank 0's
         # on and below it
-        assert pool.run(n, triangle_worker, n, 16, "stripe", hkv) == [[2, 2], [4, 0]]
-    assert pool.run(n, triangle_worker, n, 15, "zigzag", 2) == [[1, 0], [2, 0]]  # rank 0: pad
+        assert procs.run(n, triangle_worker, n, 16, "stripe", hkv) == [[2, 2], [4, 0]]
+    assert procs.run(n, triangle_worker, n, 15, "zigzag", 2) == [[1, 0], [2, 0]]  # rank 0: pad
 
 
 def test_triangles_found_from_positions_match_the_mask() -> None:

@@ -257,26 +257,26 @@ def _efficient_worker(n: int, data: list, worker=_worker) -> tuple[list, dict]:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_ring_on_the_cuda_kernel_equals_full_attention(pool, n: int) -> None:
+def test_ring_on_the_cuda_kernel_equals_full_attention(procs, n: int) -> None:
     """Ring attention with the CUDA kernel's adapter (on the stand-ins): full blocks and causal
     triangles on the kernel (never cut), padded blocks through its bias; forward, gradients
     and torch.func.grad equal full attention under every layout, grouped heads, another head
     size for v (both padded to the alignment)."""
     data = _data(n)
-    got = pool.run(n, _efficient_worker, n, data)
+    got = procs.run(n, _efficient_worker, n, data)
     _check(n, data, [g for g, _ in got], {"rtol": 1e-9, "atol": 1e-11})
     for _, calls in got:
         assert calls["causal"] > 0 and calls["full"] > 0 and calls["masked"] > 0, calls
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_masked_ring_on_the_cuda_kernel_equals_full_attention(pool, n: int) -> None:
+def test_masked_ring_on_the_cuda_kernel_equals_full_attention(procs, n: int) -> None:
     """Masked blocks through the kernel's bias (on the stand-ins, which give NaN for a query
     that sees no key): packed documents with padding and queries that see nothing, sliding
     windows, both, causal or not, every layout, grouped heads; forward, gradients and
     torch.func.grad equal attention over the whole sequence with the same mask."""
     data = test_seq_masks._data(n)
-    got = pool.run(n, _efficient_worker, n, data, test_seq_masks._worker, timeout=300)
+    got = procs.run(n, _efficient_worker, n, data, test_seq_masks._worker, timeout=300)
     test_seq_masks.check_against_full_attention(n, data, [g for g, _ in got])
     for _, calls in got:
         assert calls["masked"] > 0 and calls["full"] > 0, calls

@@ -60,8 +60,8 @@ def _worker(n: int) -> dict:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_every_batch_in_turn(pool, n: int) -> None:
-    results = pool.run(n, _worker, n)
+def test_every_batch_in_turn(procs, n: int) -> None:
+    results = procs.run(n, _worker, n)
     for out in results:
         assert out["own"]  # the source gets its own object back
         assert len(out["got"]) == n

@@ -197,7 +197,7 @@ def _take_case(c, n: int, kind, s, dim, x, ct, tan) -> tuple:
 )
 @pytest.mark.parametrize("direct", ["no", "unbatched", "batched"])
 def test_take_tokens_against_permuted_whole(
-    pool, n: int, mesh_shape: dict, axis, direct: str
+    procs, n: int, mesh_shape: dict, axis, direct: str
 ) -> None:
     """shard_map_seq takes each rank's tokens straight from the whole value: the same block as
     padding, permuting and chunking the whole (padding slots = the pad value); the gradient of
@@ -220,7 +220,7 @@ def test_take_tokens_against_permuted_whole(
             cases.append(
                 (kind, s, dim, x, ct, torch.randn(*shape, generator=g, dtype=torch.float64))
             )
-    res = pool.run(n, _take_worker, n, mesh_shape, axis, cases, direct)
+    res = procs.run(n, _take_worker, n, mesh_shape, axis, cases, direct)
     got = {r: out for r, out, _ in res}  # by index on the axis
     # one gather per case (the gradient's); straight into place unless stripe, or a batch
     # before the sequence dim when unbatched

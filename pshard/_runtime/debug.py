@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .._compat import default_store
 from .._core.checks import WIRE_DTYPES
+from .turns import Stuck, current_task
 
 __all__ = [
     "CheckWait",
@@ -217,7 +218,13 @@ _SEQUENCE: dict[str, int] = {}
 
 def sequence_state() -> tuple[tuple[str, int], ...]:
     """This process's debug-mode counters (ranks must agree to stay in step)."""
-    return tuple(sorted(_SEQUENCE.items()))
+    return tuple(sorted(_sequences().items()))
+
+
+def _sequences() -> dict[str, int]:
+    """The counters of this rank: the process's, or an in-process rank's own."""
+    task = current_task()
+    return _SEQUENCE if task is None else task.rank.debug_sequence
 
 
 def _timeout() -> float:
@@ -318,8 +325,9 @@ def _exchange(
     """Every rank's fingerprint, through the store (see the module docs)."""
     store = default_store()
     name = group_key(group)
-    seq = _SEQUENCE.get(name, 0)
-    _SEQUENCE[name] = seq + 1
+    sequences = _sequences()
+    seq = sequences.get(name, 0)
+    sequences[name] = seq + 1
     prefix = f"pshard_debug/{name}/{seq}/"
     keys = [f"{prefix}{r}" for r in range(size)]
     store.set(keys[me], ",".join(map(str, fp)))
@@ -327,18 +335,28 @@ def _exchange(
     wait = CheckWait(op, label, group, name, seq, time.monotonic() + timeout)  # see waiting()
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception:  # the store's timeout error (its type differs between torch versions)
+    except Exception as exc:  # the store's timeout error (its type differs between torch versions)
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         if not missing:
             raise
         ranks = [dist.get_global_rank(group, r) for r in missing]
         noun = "rank" if len(missing) == 1 else "ranks"
+        if isinstance(exc, Stuck):  # in-process ranks: it can never come, known at once
+            why = (
+                f"and cannot anymore (this is axis rank {me}): it skipped it, or debug mode is "
+                f"off on that rank (turn it on in every rank). Where the ranks are:\n"
+                + "\n".join(line for line in str(exc).splitlines() if line.startswith("  "))
+            )
+        else:
+            why = (
+                f"within {timeout:g} s (this is axis rank {me}): it skipped it, is still "
+                f"computing, or debug mode is off on that rank (turn it on in every rank, "
+                f"PSHARD_DEBUG=1; PSHARD_DEBUG_TIMEOUT sets the wait)"
+            )
         raise ValueError(
             f"{op} (pshard debug mode): axis {noun} {', '.join(map(str, missing))} (global "
             f"{noun} {', '.join(map(str, ranks))}) of axis {label!r} did not reach this "
-            f"collective within {timeout:g} s (this is axis rank {me}): it skipped it, is "
-            f"still computing, or debug mode is off on that rank (turn it on in every rank, "
-            f"PSHARD_DEBUG=1; PSHARD_DEBUG_TIMEOUT sets the wait)"
+            f"collective {why}"
         ) from None
     del wait  # no longer waiting
     rows = [[int(v) for v in store.get(key).decode().split(",")] for key in keys]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .._compat import flattened_group
+from .._compat import THREADS_BACKEND, flattened_group
 from .._core.checks import axis_names
 
 __all__ = ["Axis", "AxisInfo", "current_mesh", "init_mesh", "mesh_for", "resolve_axis", "use_mesh"]
@@ -117,6 +117,13 @@ def init_mesh(shape: dict[str, int] | None = None, *, backend: str | None = None
         world = dist.get_world_size()
         current = str(dist.get_backend()).lower()
         if backend is not None and backend.lower() not in current.split(":"):
+            if current == THREADS_BACKEND:
+                raise ValueError(
+                    f"init_mesh: backend={backend!r} in an in-process rank (ps.spawn(..., "
+                    f"backend='threads')), whose ranks are threads of one process and "
+                    f"communicate in memory; {backend} needs ranks of their own: ps.spawn(..., "
+                    f"backend={backend!r}) or torchrun (or leave backend out)"
+                )
             raise ValueError(
                 f"init_mesh: backend={backend!r} but the default process group already exists "
                 f"with backend {current!r}; a backend can only be chosen when the group is "

@@ -20,6 +20,7 @@ import torch
 
 from .gang import TERM_WAIT_S, Gang
 from .messages import RemoteTraceback, SpawnError, Task
+from .threads import run_threads
 
 __all__ = ["RemoteTraceback", "SpawnError", "check_fn", "pickle_task", "spawn"]
 
@@ -35,14 +36,16 @@ def check_fn(fn: object, caller: str) -> None:
         raise TypeError(
             f"{caller}: fn {qualname!r} is a lambda or a function defined inside another "
             "function, which cannot be pickled into the worker processes; define it at the top "
-            "level of a module (functions are pickled by module and name)"
+            "level of a module (functions are pickled by module and name), or run the ranks as "
+            "threads of this process: backend='threads'"
         )
     try:
         pickle.dumps(fn)
     except Exception as exc:
         raise TypeError(
             f"{caller}: fn {fn!r} cannot be pickled into the worker processes ({exc}); pass a "
-            "function defined at the top level of an importable module"
+            "function defined at the top level of an importable module, or run the ranks as "
+            "threads of this process: backend='threads'"
         ) from exc
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     # `python -c` and notebooks give no file, standard input (`python - <<EOF`) "<stdin>",
@@ -55,8 +58,9 @@ def check_fn(fn: object, caller: str) -> None:
         raise TypeError(
             f"{caller}: fn {qualname!r} is defined in `python -c`, an interactive session or a "
             f"notebook, where the worker processes cannot import it from (they start fresh and "
-            f"import fn by module and name); put fn in a .py file (a module, or the script you "
-            f"run) and import it"
+            f"import fn by module and name); run the ranks as threads of this process instead "
+            f"(backend='threads'), or put fn in a .py file (a module, or the script you run) "
+            f"and import it"
         )
 
 
@@ -109,7 +113,8 @@ def pickle_task(
         return pickle.dumps(Task(fn, args, kwargs))
     except Exception as exc:
         raise TypeError(
-            f"{caller}: the arguments of fn cannot be pickled into the worker processes ({exc})"
+            f"{caller}: the arguments of fn cannot be pickled into the worker processes ({exc}); "
+            f"backend='threads' passes them as they are"
         ) from exc
 
 
@@ -175,8 +180,12 @@ def spawn(
         raise ValueError(f"spawn: nprocs must be an int >= 1, got {nprocs!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"spawn: timeout must be a number of seconds > 0, got {timeout!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"spawn: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend not in ("gloo", "nccl", "threads"):
+        raise ValueError(f"spawn: backend must be 'gloo', 'nccl' or 'threads', got {backend!r}")
+    if backend == "threads":
+        if not callable(fn):
+            raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
+        return run_threads(fn, args, {}, nprocs, timeout, "spawn")
     if backend == "nccl" and torch.cuda.device_count() < nprocs:
         raise ValueError(
             f"spawn: backend 'nccl' needs one GPU per rank, but nprocs={nprocs} and "

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .._compat import resolve_group
 from .debug import check_collective, debug_enabled, perm_code
 from .mesh import Axis, resolve_axis
+from .turns import current_task
 
 __all__ = [
     "PAIRWISE_GATHER_BYTES",
@@ -91,6 +92,13 @@ def _resolve(axis: Axis, fn: str) -> Comm:
 def _traced_comm(axis: Axis, fn: str) -> Comm:
     # Context variables (the current mesh) cannot be read by the tracer: resolve here, in plain
     # Python, and let the trace hold the result; running the graph checks it (comm_at_run).
+    if current_task() is not None:
+        raise RuntimeError(
+            f"{fn}: torch.compile does not run in in-process ranks (ps.spawn(..., "
+            f"backend='threads')): the ranks share one process's compiled code, specialised to "
+            f"the rank that traced it; compile in processes (backend='gloo' or 'nccl', or "
+            f"torchrun), or run this rank's code eagerly"
+        )
     return _resolve(axis, fn)._replace(key=axis_key(axis))
 
 

@@ -1,0 +1,212 @@
+"""In-process ranks: ``ps.spawn(fn, ..., backend="threads")``.
+
+:func:`run_threads` runs ``fn`` on ``nprocs`` threads of the calling process, each a rank of a
+c10d world of its own (:mod:`pshard._compat`'s world switch: ``torch.distributed.get_rank()``
+in a rank thread is that rank, and the caller's own process group, if any, is untouched) over
+the in-process transport (:mod:`pshard._runtime.transport`). The ranks take turns
+(:mod:`pshard._runtime.turns`): each has the random state and default dtype of a fresh process,
+and a run gives the same numbers every time.
+
+Nothing is pickled or copied: every rank gets the very argument objects, and the caller each
+rank's own result. An exception in a rank is re-raised in the caller as itself, with a note
+naming the rank; ranks left waiting for it are released at once (no rank can run and not all
+are done: :class:`~pshard._runtime.turns.Stuck`), so a run never hangs on a failed rank, and no
+thread is left running.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._compat import (
+    THREADS_BACKEND,
+    ad_state,
+    install_world_switch,
+    new_c10d_world,
+    register_backend,
+    set_ad_state,
+    share_dual_level,
+    thread_isolation,
+)
+from .messages import SpawnError, ranks_text
+from .rendezvous import Shared, ThreadStore
+from .transport import ThreadGroup
+from .turns import Rank, Stuck, Turns, current_task
+
+__all__ = ["current_rank", "run_threads"]
+
+# Seconds the ranks get to end after the caller gave up (its timeout), before it reports them.
+_END_WAIT_S = 5.0
+
+
+def current_rank() -> Rank | None:
+    """The in-process rank this code runs in, ``None`` in a process of its own."""
+    task = current_task()
+    return None if task is None else task.rank
+
+
+def _rank_world() -> Any:
+    task = current_task()
+    return None if task is None else task.rank.c10d
+
+
+def _create(options: Any, backend_options: Any) -> ThreadGroup:
+    """c10d's constructor for a group of the in-process backend (called in a rank's thread)."""
+    task = current_task()
+    if task is None or not isinstance(task.rank.shared, Shared):
+        raise RuntimeError(
+            f"the {THREADS_BACKEND!r} process-group backend runs only in the ranks of "
+            f"ps.spawn(..., backend='threads')"
+        )
+    shared: Shared = task.rank.shared
+    members = tuple(options.global_ranks_in_group) or tuple(range(shared.size))
+    state = shared.group(str(options.group_id), members, task.rank.index)
+    return ThreadGroup(shared, state, int(options.group_rank))
+
+
+class _Isolation:
+    """The C++ group registry is per thread while any in-process world runs."""
+
+    lock = threading.Lock()
+    worlds = 0
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if _Isolation.worlds == 0:
+                thread_isolation(True)
+            _Isolation.worlds += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            _Isolation.worlds -= 1
+            if _Isolation.worlds == 0:
+                thread_isolation(False)
+
+
+def run_threads(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nprocs: int,
+    timeout: float,
+    caller: str,
+) -> list[Any]:
+    """``fn(*args, **kwargs)`` on ``nprocs`` in-process ranks; their results in rank order.
+
+    Raises:
+        BaseException: the exception of the lowest rank that raised one (as itself, with a
+            note naming the rank), else :class:`SpawnError` (ranks waiting for each other for
+            good, ``sys.exit`` in a rank), or ``TimeoutError`` after ``timeout`` seconds.
+    """
+    install_world_switch(_rank_world)
+    share_dual_level(lambda: current_task() is not None)
+    register_backend(THREADS_BACKEND, _create)
+    ranks = [Rank(r, nprocs) for r in range(nprocs)]
+    turns = Turns(ranks, f"{caller} (backend='threads')")
+    shared = Shared(nprocs, turns)
+    store = ThreadStore(shared)
+    results: list[Any] = [None] * nprocs
+    errors: dict[int, BaseException] = {}
+    tasks = []
+    for rank in ranks:
+        rank.shared, rank.c10d = shared, new_c10d_world()
+        tasks.append(turns.add(rank, f"rank {rank.index}", main=True))
+
+    def body(r: int) -> None:
+        task = tasks[r]
+        ended = "returned"
+        try:
+            turns.enter(task)
+            try:
+                dist.init_process_group(THREADS_BACKEND, store=store, rank=r, world_size=nprocs)
+                results[r] = fn(*args, **kwargs)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        except SystemExit as exc:
+            errors[r] = SpawnError(
+                f"{caller}: fn called sys.exit({exc.code!r}) in rank {r} of {nprocs}; return "
+                f"from fn instead (a rank that exits leaves its peers waiting in collectives)"
+            )
+            ended = "called sys.exit"
+        except BaseException as exc:
+            errors[r] = exc
+            ended = f"raised {type(exc).__name__}"
+        finally:
+            turns.leave(task, ended)
+
+    rng, dtype, ad = torch.get_rng_state(), torch.get_default_dtype(), ad_state()
+    threads = [
+        threading.Thread(
+            target=contextvars.Context().run, args=(body, r), name=f"pshard-rank{r}", daemon=True
+        )
+        for r in range(nprocs)
+    ]
+    deadline = time.monotonic() + timeout
+    late: TimeoutError | None = None
+    try:
+        with _Isolation():
+            turns.current = tasks[0]
+            for thread in threads:
+                thread.start()
+            if not turns.wait_all(timeout):
+                running = [t.rank.index for t in turns.tasks if t.state != "done"]
+                late = TimeoutError(
+                    f"{caller}: {ranks_text(sorted(set(running)))} of {nprocs} still running "
+                    f"after the timeout of {timeout:g} s; they were stopped"
+                )
+                turns.give_up(late)
+                turns.wait_all(_END_WAIT_S)
+            for thread in threads:
+                thread.join(max(0.0, min(_END_WAIT_S, deadline + _END_WAIT_S - time.monotonic())))
+    finally:
+        torch.set_rng_state(rng)
+        torch.set_default_dtype(dtype)
+        set_ad_state(ad)
+    left = [t.name for t in threads if t.is_alive()]
+    if left:
+        raise SpawnError(
+            f"{caller}: the threads of {', '.join(left)} are still running {_END_WAIT_S:g} s "
+            f"after the run was given up (stuck outside Python, where they cannot be stopped)"
+        )
+    if late is not None:
+        raise late
+    if errors:
+        raise _failure(errors, nprocs, caller)
+    return results
+
+
+def _failure(errors: dict[int, BaseException], nprocs: int, caller: str) -> BaseException:
+    """The exception for a failed run: the lowest rank's own error, else what left the ranks
+    stuck."""
+    own = {r: e for r, e in errors.items() if not isinstance(e, Stuck)}
+    if own:
+        rank = min(own)
+        exc = own[rank]
+        notes = [f"rank {r} also raised {type(e).__name__}" for r, e in own.items() if r != rank]
+        released = sorted(r for r, e in errors.items() if isinstance(e, Stuck))
+        if released:
+            verb = "was" if len(released) == 1 else "were"
+            notes.append(f"{ranks_text(released)} {verb} waiting for it and {verb} released")
+        _add_note(
+            exc,
+            f"{caller}: raised in rank {rank} of {nprocs} (threads)"
+            + "".join(f"; {n}" for n in notes),
+        )
+        return exc
+    rank = min(errors)
+    error = SpawnError(str(errors[rank]))
+    error.__cause__ = errors[rank]
+    return error
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11 and later
+        exc.add_note(note)
