@@ -4,6 +4,7 @@ Runs on a laptop CPU (2 gloo ranks by default, float64, well under a minute):
 
     python examples/quickstart.py
     python examples/quickstart.py --nprocs 4 --sp 2 --microbatches 4 --attention ring
+    python examples/quickstart.py --backend threads     # the ranks as threads of one process
 
 On GPUs, the same file under torchrun uses NCCL with no code change (one process per GPU;
 ``ps.init_mesh`` reads torchrun's environment, so nothing is spawned):
@@ -253,7 +254,13 @@ def check(curves: list[list[float]], args: argparse.Namespace, device: torch.dev
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--nprocs", type=int, default=2, help="local gloo ranks (ignored under torchrun)"
+        "--nprocs", type=int, default=2, help="local ranks (ignored under torchrun)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "threads"),
+        default="gloo",
+        help="local ranks as gloo processes, or as threads of this process",
     )
     parser.add_argument("--sp", type=int, default=0, help="sequence-parallel ranks (default: all)")
     parser.add_argument("--microbatches", type=int, default=2)
@@ -277,7 +284,8 @@ def main() -> None:
             )
         dist.destroy_process_group()
     else:
-        check(ps.spawn(rank_main, args, nprocs=args.nprocs), args, torch.device("cpu"))
+        curves = ps.spawn(rank_main, args, nprocs=args.nprocs, backend=args.backend)
+        check(curves, args, torch.device("cpu"))
 
 
 if __name__ == "__main__":

@@ -258,15 +258,19 @@ def test_errors_name_the_key_path(mesh: object) -> None:
         ps.from_local({"w": whole["w"]}, ps.P("dp"), global_shapes={"w": (6, 3)})
     with _raises(ValueError, "from_callback fn((slice(0, 5, None),)): the block has shape (4,)"):
         ps.from_callback((5,), ps.P("dp"), lambda index: torch.zeros(4))
-    with _raises(TypeError, "psum: x['b'] is a GlobalTensor"):
+    with _raises(TypeError, "psum: x['b'] is a GlobalTensor of shape (3,) split over 'tp'"):
         ps.psum(params, "dp")
     with _raises(TypeError, "all_gather: x is a GlobalTensor of shape (5, 3)"):
         ps.all_gather(params["w"], "dp")
     text = (
-        "inside a map over the axes that split it ('dp'): map over them too (a map over other "
-        "axes hands it on as it is), or get the whole value with ps.gather"
+        "psum: x is a GlobalTensor of shape (4,) split over 'dp'; collectives take this rank's "
+        "block: pass it to ps.shard_map(f, in_specs=ps.P('dp'), ...) (f gets the block and can "
+        "call psum on it; a map over other axes hands a GlobalTensor on as it is), or get the "
+        "whole value with ps.gather(x)"
     )
-    with _raises(TypeError, text):  # inside a map over another axis too
+    with _raises(TypeError, text):  # outside any map
+        ps.psum(ps.shard(torch.ones(4), ps.P("dp")), "dp")
+    with _raises(TypeError, text.split("; ")[1]):  # inside a map over another axis
         rows = ps.shard(torch.ones(4), ps.P("dp"))
         ps.shard_map(lambda: ps.psum(rows, "tp"), in_specs=(), out_specs=ps.P())()
     other = ps.init_mesh({"x": 1})

@@ -93,11 +93,13 @@ def _map_leaves(
         if is_global(leaf):
             split = [e for e in leaf.spec if e is not None]
             axes = ", ".join(repr(a) for e in split for a in ((e,) if isinstance(e, str) else e))
+            where = path(i)()
             raise TypeError(
-                f"{fn}: {path(i)()} is {describe(leaf)}; collectives work on this rank's "
-                f"blocks inside a map over the axes that split it ({axes}): map over them too "
-                f"(a map over other axes hands it on as it is), or get the whole value with "
-                f"ps.gather"
+                f"{fn}: {where} is a GlobalTensor of shape {tuple(leaf.shape)} split over "
+                f"{axes}; collectives take this "
+                f"rank's block: pass it to ps.shard_map(f, in_specs=ps.{leaf.spec!r}, ...) (f "
+                f"gets the block and can call {fn} on it; a map over other axes hands a "
+                f"GlobalTensor on as it is), or get the whole value with ps.gather({where})"
             )
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
