@@ -321,6 +321,23 @@ def test_global_tensors_are_immutable(mesh: object) -> None:
     assert copy.copy(w).local is w.local
 
 
+def test_torch_functions_on_a_global_tensor_say_what_to_call(mesh: object) -> None:
+    """torch.sum(x) on a GlobalTensor raised torch's own TypeError ("sum(): argument 'input'
+    must be Tensor, not GlobalTensor"): it names .local and ps.gather instead."""
+    _, params = _params(mesh)
+    text = (
+        "a GlobalTensor is a pytree node (this rank's block and the layout of the whole), not a "
+        "tensor: inside a map (ps.shard_map) use its block, x.local; for the whole value, "
+        "ps.gather(x)"
+    )
+    with _raises(TypeError, "sum: " + text):
+        torch.sum(params["w"])
+    with _raises(TypeError, "stack: " + text):
+        torch.stack([params["b"], params["b"]])
+    with _raises(TypeError, "matmul: " + text):
+        torch.matmul(params["w"].local, params["b"])
+
+
 def test_a_block_that_does_not_fit_its_layout_is_refused(mesh: object) -> None:
     """A tree_map that changes a block's shape, or a vmap batch dim carried out of the vmap,
     leaves a GlobalTensor whose block does not fit: gather, reshard, shard_map and to_dtensor

@@ -160,6 +160,17 @@ class GlobalTensor:
     def __reduce__(self) -> tuple[Any, ...]:
         return (GlobalTensor, (self.local, self.meta))
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # torch calls this for any torch function given a GlobalTensor (instead of failing
+        # with "argument 'input' must be Tensor"): say what to call instead
+        name = getattr(func, "__name__", None) or str(func)
+        raise TypeError(
+            f"{name}: a GlobalTensor is a pytree node (this rank's block and the layout of the "
+            f"whole), not a tensor: inside a map (ps.shard_map) use its block, x.local; for "
+            f"the whole value, ps.gather(x)"
+        )
+
     def __copy__(self) -> GlobalTensor:
         return GlobalTensor(self.local, self.meta)
 
