@@ -361,3 +361,22 @@ def test_nccl_and_compile_are_clear_errors():
         ps.spawn(_nccl, nprocs=2, backend="threads")
     with pytest.raises(RuntimeError, match=re.escape("torch.compile")):
         ps.spawn(_compiled, nprocs=2, backend="threads")
+
+
+def _returns_a_global_tensor() -> dict:
+    ps.init_mesh({"dp": dist.get_world_size()})
+    return {"loss": 1.0, "w": ps.shard(torch.ones(4), P("dp"))}
+
+
+def test_a_global_tensor_returned_is_refused_on_both_backends(procs):
+    """It came back with its mesh pickled (a DeviceMesh warning) and process groups that no
+    longer existed: now an error naming where it is and what to return instead."""
+    text = (
+        "rank 0 of 2 returned a GlobalTensor at result['w'], whose mesh and process groups end "
+        "with the run (the caller could not use it); return ps.gather(x) for the whole value, "
+        "or x.local for this rank's block"
+    )
+    with pytest.raises(TypeError, match=re.escape("spawn: " + text)):
+        ps.spawn(_returns_a_global_tensor, nprocs=2, backend="threads")
+    with pytest.raises(TypeError, match=re.escape(text)):
+        procs.run(2, _returns_a_global_tensor)

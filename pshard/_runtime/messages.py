@@ -15,6 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .._core.global_tensor import is_global
+from .._core.tree import keystr, tree_flatten_with_path
+
 __all__ = [
     "Done",
     "Failed",
@@ -24,6 +27,7 @@ __all__ = [
     "RemoteTraceback",
     "SpawnError",
     "Task",
+    "check_result",
     "failure",
     "ranks_text",
     "send",
@@ -130,3 +134,22 @@ def ranks_text(ranks: Iterable[int]) -> str:
     """``"rank 1"``, ``"ranks 0, 2"``."""
     ordered = sorted(ranks)
     return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+
+
+def check_result(value: Any, caller: str, rank: int, nprocs: int) -> None:
+    """Refuse a rank's result that holds a :class:`~pshard.GlobalTensor`: its mesh's process
+    groups end with the run, so the caller could not use it.
+
+    Raises:
+        TypeError: naming the path of the first one and what to return instead.
+    """
+    paths, leaves, _ = tree_flatten_with_path(value, none_is_leaf=True)
+    for path, leaf in zip(paths, leaves, strict=True):
+        if is_global(leaf):
+            where = keystr(path, "result")
+            raise TypeError(
+                f"{caller}: rank {rank} of {nprocs} returned a GlobalTensor at {where}, whose "
+                f"mesh and process groups end with the run (the caller could not use it); "
+                f"return ps.gather(x) for the whole value, or x.local for this rank's block "
+                f"(with x.spec and x.shape for its layout)"
+            )

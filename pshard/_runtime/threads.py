@@ -35,7 +35,7 @@ from .._compat import (
     share_dual_level,
     thread_isolation,
 )
-from .messages import SpawnError, ranks_text
+from .messages import SpawnError, check_result, ranks_text
 from .rendezvous import Shared, ThreadStore
 from .transport import ThreadGroup
 from .turns import Rank, Stuck, Turns, current_task
@@ -127,6 +127,7 @@ def run_threads(
             try:
                 dist.init_process_group(THREADS_BACKEND, store=store, rank=r, world_size=nprocs)
                 results[r] = fn(*args, **kwargs)
+                check_result(results[r], caller, r, nprocs)
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .._compat import group_count
 from .debug import sequence_state
-from .messages import Done, Health, Ready, SpawnError, Task, failure, send
+from .messages import Done, Health, Ready, SpawnError, Task, check_result, failure, send
 from .stalls import Position, position
 
 __all__ = ["worker_main"]
@@ -124,6 +124,7 @@ def _serve(rank: int, nprocs: int, conn: multiprocessing.connection.Connection) 
             if task is None:
                 return
             value = task.fn(*task.args, **task.kwargs)
+            check_result(value, "spawn", rank, nprocs)
         except SystemExit as exc:  # re-raised in the caller it would end the caller quietly
             error = SpawnError(
                 f"fn called sys.exit({exc.code!r}) in rank {rank} of {nprocs}; return from "
