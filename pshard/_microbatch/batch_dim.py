@@ -332,6 +332,14 @@ def _leaf_spec(where: str, leaf: Any, trace: Trace, allow_ratio: bool = False) -
     )
 
 
+# how to do without inference (the end of the errors above)
+_PASS_OUT_SPECS = (
+    "pass out_specs explicitly: out_specs=ps.Partial('mean') for a mean loss and its gradients "
+    "(token-weighted with weight_fn), ps.Partial('sum') for sums, ps.Shard(0) for outputs "
+    "that keep the batch dim, or a tree of them"
+)
+
+
 def _trace_out_specs(
     where: str,
     fn: Callable[..., Any],
@@ -365,7 +373,7 @@ def _trace_out_specs(
             f"value {trace.hint}) failed with {type(error).__name__}: {detail}. Batch-dim "
             f"analysis cannot follow data-dependent Python control flow (`if tensor:`), "
             f"`.item()`, `.tolist()` or ops whose output shape depends on values (nonzero, "
-            f"boolean masks); pass out_specs explicitly"
+            f"boolean masks); {_PASS_OUT_SPECS}"
         ) from error
     finally:
         trace.deps.restore()
@@ -374,8 +382,8 @@ def _trace_out_specs(
         raise ValueError(
             f"{where}: the function only works for one batch size: tracing it with a symbolic "
             f"batch size B forced B == {value} (by a Python loop over the batch dim, `unbind`, "
-            f"or combining the batch dim with a dim of that fixed size); batch-dim analysis "
-            f"cannot follow it: pass out_specs explicitly"
+            f"or combining the batch dim with a dim of that fixed size, as Hugging Face models "
+            f"do); batch-dim analysis cannot follow it: {_PASS_OUT_SPECS}"
         )
     out_names, out_leaves, out_treedef = _flatten(out, "output")
     specs = [
