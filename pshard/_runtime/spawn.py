@@ -125,7 +125,7 @@ def spawn(
     backend: str = "gloo",
     timeout: float = 300.0,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``nprocs`` fresh local processes and return their results.
+    """Run ``fn(*args)`` on ``nprocs`` local processes (or threads) and return their results.
 
     Each process is started with the multiprocessing ``"spawn"`` method and joins a default
     process group of size ``nprocs`` (rank ``i`` is process ``i``) before ``fn`` runs; the
@@ -159,12 +159,25 @@ def spawn(
     ``python -c``, standard input (``python - <<EOF``) or a notebook, are errors saying so
     before any process starts.
 
+    With ``backend="threads"`` the ranks are threads of the calling process over an
+    in-process transport (docs: "Notebooks and tests"): any callable works (a lambda, a closure,
+    a function defined in a notebook or ``python -c``), nothing is pickled or copied (every
+    rank gets the very argument objects; the caller gets each rank's own result), nothing starts
+    up, and every pshard feature gives the numbers gloo processes give. The ranks take turns
+    (one runs at a time), each with its own ``torch.distributed`` rank, current mesh, random
+    state (a fresh process's: seed it in ``fn``) and default dtype. An exception in a rank is
+    re-raised here as itself with a note naming the rank, ranks waiting for it are released at
+    once, and ranks that wait for each other for good are a :class:`SpawnError` naming where
+    each waits; after ``timeout`` the ranks are stopped. NCCL and ``torch.compile`` of pshard's
+    collectives do not run on threads (clear errors).
+
     Args:
         fn: module-level function run on every rank; it can use ``torch.distributed``
             collectives on the default group and call ``ps.init_mesh`` for a mesh.
         *args: positional arguments passed to ``fn`` on every rank.
         nprocs: number of processes (the world size), ``>= 1``.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank, rank ``i`` on GPU ``i``).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank, rank ``i`` on GPU ``i``)
+            processes, or ``"threads"``: the ranks are threads of this process (below).
         timeout: seconds allowed for the whole run, start-up included.
 
     Returns:
@@ -175,6 +188,9 @@ def spawn(
         >>> import pshard as ps
         >>> ps.spawn(dist.get_rank, nprocs=2)
         [0, 1]
+        >>> ps.spawn(lambda: 10 * dist.get_world_size() + dist.get_rank(), nprocs=3,
+        ...          backend="threads")
+        [30, 31, 32]
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn: nprocs must be an int >= 1, got {nprocs!r}")
