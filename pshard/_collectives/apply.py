@@ -6,11 +6,12 @@ sequence-parallel exchanges built like them.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
-from .._compat import transforms_active, unwrap_dead
+from .._compat import compile_disabled, transforms_active, unwrap_dead
 
 __all__ = ["call", "eager", "eager_rules"]
 
@@ -22,16 +23,21 @@ def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     While dynamo traces, a plain ``apply`` (inside a ``torch.func`` transform, the Function
     runs eagerly outside the graph: :func:`eager`)."""
     if torch.compiler.is_compiling():
-        return eager(fn, *args) if transforms_active() else fn.apply(*args)
+        return _self.eager(fn, *args) if transforms_active() else fn.apply(*args)
     if transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*unwrap_dead(args))  # type: ignore[misc]
 
 
-@torch.compiler.disable(recursive=True)
 def eager(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)`` outside the graph (a graph break), rules and all."""
+    """``fn.apply(*args)`` outside the graph (a graph break), rules and all. Kept out of
+    dynamo (``torch.compiler.disable``, recursive) from the moment dynamo is imported: call it
+    as ``apply.eager`` (the module's attribute), so that callers get the disabled function."""
     return fn.apply(*args)
+
+
+_self = sys.modules[__name__]
+compile_disabled(_self, "eager")
 
 
 F = Any
@@ -41,7 +47,7 @@ def eager_rules(cls: F) -> F:
     """Keep dynamo out of ``cls``'s rules. They run eagerly by design (a compiled region uses
     the ops of :mod:`pshard._collectives.compiled`), yet the autograd engine and ``torch.func``
     call them from inside a compiled function's eager parts, where dynamo would compile each
-    frame again per shape."""
+    frame again per shape. Applied when dynamo is imported: nothing compiles before."""
     for name in ("forward", "backward", "jvp", "vmap"):
-        setattr(cls, name, staticmethod(torch.compiler.disable(getattr(cls, name), recursive=True)))
+        compile_disabled(cls, name)
     return cls

@@ -33,7 +33,8 @@ from .._runtime.mesh import Axis, resolve_axis
 from .._runtime.wire import Comm as _Comm
 from .._runtime.wire import Perm
 from .._runtime.wire import comm as _comm
-from .apply import call, eager
+from . import apply
+from .apply import call
 from .compiled import OPS
 from .rules import FUNCTIONS
 from .transposes import encode
@@ -64,7 +65,7 @@ def _collective(name: str, x: torch.Tensor, c: _Comm, *params: Any) -> torch.Ten
     if not torch.compiler.is_compiling():
         return call(fn, x, c, *params)
     if transforms_active():
-        return eager(fn, x, c, *params)
+        return apply.eager(fn, x, c, *params)
     return OPS[name](x, c.key, c.size, c.rank, *encode(name, params))
 
 

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._compat import resolve_group
+from .._compat import constant_result, resolve_group
 from .debug import check_collective, debug_enabled, perm_code
 from .mesh import Axis, resolve_axis
 from .turns import current_task
@@ -88,7 +88,7 @@ def _resolve(axis: Axis, fn: str) -> Comm:
     return Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _traced_comm(axis: Axis, fn: str) -> Comm:
     # Context variables (the current mesh) cannot be read by the tracer: resolve here, in plain
     # Python, and let the trace hold the result; running the graph checks it (comm_at_run).

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._collectives.apply import call, eager, eager_rules
+from .._collectives import apply
+from .._collectives.apply import call, eager_rules
 from .._runtime.debug import check_collective
 from .._runtime.wire import Comm
 from ._layouts import SeqLayout, along
@@ -212,7 +213,7 @@ class _ToTokens(torch.autograd.Function):
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> tuple[torch.Tensor, ...]:
     if torch.compiler.is_compiling():  # runs outside the graph, rules and all
-        return eager(fn, *args)
+        return apply.eager(fn, *args)
     return call(fn, *args)
 
 
