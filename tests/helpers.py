@@ -16,14 +16,20 @@ Import from a test module as ``from helpers import ...`` (pytest puts ``tests/``
   tensors equal in dtype, shape and values.
 - ``make_block_mask(...)``: a small CPU ``BlockMask`` whose ``mask_mod`` depends on the batch
   index (so splitting it must re-index ``mask_mod``).
+- ``spy(owner, name, record)`` / ``spied(state)``: instrument a function for the ranks of a
+  ``pool.run`` (threads of this process): the test wraps the run in ``with spy(...)``, each
+  rank calls ``spied(state)`` first, and every call of ``owner.name`` in that rank runs
+  ``record(state, *args)`` before the real function.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 from collections import OrderedDict, UserDict, defaultdict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import pytest
@@ -363,3 +369,31 @@ def masked_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
     p = torch.softmax(torch.where(m & seen, s, torch.where(seen, -torch.inf, 0.0)), -1)
     p = torch.where(seen, p, 0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+_SPIED: contextvars.ContextVar[Any] = contextvars.ContextVar("test_spied", default=None)
+
+
+@contextlib.contextmanager
+def spy(owner: Any, name: str, record: Callable[..., None]) -> Iterator[None]:
+    """Replace ``owner.name`` for the duration by a function that calls ``record(state,
+    *args)`` with the calling rank's state (see :func:`spied`) before the real one."""
+    real = getattr(owner, name)
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        state = _SPIED.get()
+        if state is not None:
+            record(state, *args)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, spying)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def spied(state: Any) -> Any:
+    """Called in a rank: the state that :func:`spy`'s ``record`` gets in this rank's calls."""
+    _SPIED.set(state)
+    return state

@@ -415,7 +415,8 @@ def test_readme_token_weighted_accumulation_on_a_model() -> None:
             **out,
         )
 
-    with pytest.raises(ValueError, match=re.escape("pass out_specs explicitly: out_specs=ps.Partial('mean') for a mean loss")):
+    text = "pass out_specs explicitly: out_specs=ps.Partial('mean') for a mean loss"
+    with pytest.raises(ValueError, match=re.escape(text)):
         step()(params, batch)
     grads, loss = step(out_specs=ps.Partial("mean"))(params, batch)
     want_grads, want_loss = torch.func.grad_and_value(loss_fn)(params, batch)

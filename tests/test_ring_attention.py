@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import full_attention, seq_block
+from helpers import full_attention, seq_block, spied, spy
 from test_seq_model import (
     BATCH_SPECS,
     PADS,
@@ -265,33 +265,32 @@ def test_block_counts(n: int) -> None:
 
 def count_worker(n: int, s: int, kind: str, seg: torch.Tensor | None = None) -> int:
     """Blocks the kernel actually computes, counted in query rows x key rows (with the whole
-    sequence's segment ids ``seg``, ``(1, s)``, when given)."""
+    sequence's segment ids ``seg``, ``(1, s)``, when given); run under :func:`counting_rows`."""
     ps.init_mesh({"sp": n})
     r = ps.axis_index("sp")
     lay = SeqLayout(kind, s, n)
     q = torch.randn(1, lay.local_length, 1, 2)
     mine = None if seg is None else pad_permute(seg, 1, lay, -1).chunk(n, 1)[r]
-    rows = 0
-    real = ring_pass.block_forward
-
-    def counting(qa, kb, *args):
-        nonlocal rows
-        rows += qa.shape[-2] * kb.shape[-2]  # one head: query rows x key rows of the block
-        return real(qa, kb, *args)
-
-    ring_pass.block_forward = counting
-    try:
-        with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
-            ps.ring_attention(q, q, q, causal=True, segment_ids=mine)
-    finally:
-        ring_pass.block_forward = real
-    return rows
+    rows = spied([0])
+    with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
+        ps.ring_attention(q, q, q, causal=True, segment_ids=mine)
+    return rows[0]
 
 
-def test_kernel_skips_masked_blocks(procs) -> None:
+def _add_rows(rows: list[int], qa: torch.Tensor, kb: torch.Tensor, *args: object) -> None:
+    rows[0] += qa.shape[-2] * kb.shape[-2]  # one head: query rows x key rows of the block
+
+
+def counting_rows():
+    """The ring's block computations counted per rank (:func:`count_worker`)."""
+    return spy(ring_pass, "block_forward", _add_rows)
+
+
+def test_kernel_skips_masked_blocks(pool) -> None:
     n, s = 4, 32
     for kind in LAYOUTS:
-        rows = procs.run(n, count_worker, n, s, kind)
+        with counting_rows():
+            rows = pool.run(n, count_worker, n, s, kind)
         chunk = s // n // 2
         want = [(c.full + c.partial) * chunk * chunk for c in block_counts(kind, s, n, True)]
         assert rows == want, kind
@@ -299,42 +298,41 @@ def test_kernel_skips_masked_blocks(procs) -> None:
 
 def triangle_worker(n: int, s: int, kind: str, hkv: int) -> list[int]:
     """How many blocks ran with the fused kernels' own causal flag (no mask built): lower
-    triangles, strict lower triangles."""
+    triangles, strict lower triangles; run under a spy of the ring's block computation."""
     ps.init_mesh({"sp": n})
     r = ps.axis_index("sp")
     lay = SeqLayout(kind, s, n)
     q, k = torch.randn(1, lay.local_length, 2, 4), torch.randn(1, lay.local_length, hkv, 4)
-    flagged = [0, 0]
-    real = ring_pass.block_forward
-
-    def counting(*args):
-        if args[-1] is not None:
-            flagged[args[-1]] += 1
-        return real(*args)
-
-    ring_pass.block_forward = counting
-    try:
-        with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
-            ps.ring_attention(q, k, k, causal=True)
-    finally:
-        ring_pass.block_forward = real
+    flagged = spied([0, 0])
+    with sequence_context(SeqContext(("sp",), lay, r, torch.device("cpu"))):
+        ps.ring_attention(q, k, k, causal=True)
     return flagged
 
 
-def test_triangular_blocks_use_the_kernels_causal_flag(procs) -> None:
+def _add_flag(flagged: list[int], *args: object) -> None:
+    if args[-1] is not None:
+        flagged[args[-1]] += 1  # type: ignore[index]
+
+
+def test_triangular_blocks_use_the_kernels_causal_flag(pool) -> None:
     """Each rank's chunks against themselves (zigzag, contiguous: 2 per rank) go to the kernel
     as plain causal blocks, and so do stripe chunks against an earlier rank's (the lower
     triangle) and a later rank's (the strict one: rows 1: against keys :-1), grouped query heads
     too; padded keys keep the explicit mask (exactness of every path:
     test_against_full_attention, test_triangle_blocks_cut_in_halves_are_exact)."""
     n = 2
+    with spy(ring_pass, "block_forward", _add_flag):
+        _triangles(pool, n)
+
+
+def _triangles(pool, n: int) -> None:
     for hkv in (2, 1):  # 2 query heads: one per key/value head, or both on one
         for kind in ("zigzag", "contiguous"):
-            assert procs.run(n, triangle_worker, n, 16, kind, hkv) == [[2, 0], [2, 0]], kind
+            assert pool.run(n, triangle_worker, n, 16, kind, hkv) == [[2, 0], [2, 0]], kind
         # stripe: rank 0 sees rank 1's chunks strictly below the diagonal, rank 1 sees rank 0's
         # on and below it
-        assert procs.run(n, triangle_worker, n, 16, "stripe", hkv) == [[2, 2], [4, 0]]
-    assert procs.run(n, triangle_worker, n, 15, "zigzag", 2) == [[1, 0], [2, 0]]  # rank 0: pad
+        assert pool.run(n, triangle_worker, n, 16, "stripe", hkv) == [[2, 2], [4, 0]]
+    assert pool.run(n, triangle_worker, n, 15, "zigzag", 2) == [[1, 0], [2, 0]]  # rank 0: pad
 
 
 def test_triangles_found_from_positions_match_the_mask() -> None:

@@ -511,10 +511,10 @@ def _killed_worker(path: str) -> int:
     return 1
 
 
-def test_a_killed_save_leaves_the_previous_checkpoint(pool: Any, tmp_path: Path) -> None:
+def test_a_killed_save_leaves_the_previous_checkpoint(procs: Any, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     with pytest.raises(ps.SpawnError, match=r"rank 1 of 2 \(pid \d+\) exited with code 17"):
-        pool.run(2, _killed_worker, str(path), timeout=60)
+        procs.run(2, _killed_worker, str(path), timeout=60)
     got = load(path, {"w": torch.empty(6, 3, dtype=f64), "step": 0})
     assert got["step"] == 1 and torch.equal(got["w"], _whole(6, 3, seed=21))
     stale = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.pshard-")]

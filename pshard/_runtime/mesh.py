@@ -24,7 +24,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .._compat import THREADS_BACKEND, flattened_group
 from .._core.checks import axis_names
 
-__all__ = ["Axis", "AxisInfo", "current_mesh", "init_mesh", "mesh_for", "resolve_axis", "use_mesh"]
+__all__ = [
+    "Axis",
+    "AxisInfo",
+    "cpu_group",
+    "current_mesh",
+    "init_mesh",
+    "mesh_for",
+    "resolve_axis",
+    "use_mesh",
+]
 
 
 class _Scope(NamedTuple):
@@ -328,3 +337,13 @@ def _flattened_group(mesh: DeviceMesh, names: tuple[str, ...]) -> dist.ProcessGr
 
     DeviceMesh caches flattened meshes on its root mesh, so the group is created once."""
     return flattened_group(mesh[names])
+
+
+def cpu_group() -> dist.ProcessGroup:
+    """A new process group of every rank that moves CPU tensors (Python objects): gloo beside a
+    default group of another backend (NCCL), else the default group's own backend (gloo, or
+    in-process ranks' transport, on which a gloo group cannot run). Every rank calls it."""
+    backend = str(dist.get_backend()).lower()
+    if backend in ("gloo", THREADS_BACKEND):
+        return dist.new_group()
+    return dist.new_group(backend="gloo")

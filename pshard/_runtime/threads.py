@@ -129,6 +129,8 @@ def run_threads(
                 results[r] = fn(*args, **kwargs)
                 check_result(results[r], caller, r, nprocs)
             finally:
+                # as a process ends once its own threads have (an async save, say)
+                turns.block(lambda: turns.children_done(task), "its own threads")
                 if dist.is_initialized():
                     dist.destroy_process_group()
         except SystemExit as exc:

@@ -17,6 +17,7 @@ ended did (returned, raised). Nothing waits for a timer.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextvars
 import ctypes
 import sys
@@ -29,7 +30,7 @@ import torch
 
 from .._compat import ad_state, set_ad_state
 
-__all__ = ["Rank", "Stuck", "Task", "Turns", "current_task", "start_thread"]
+__all__ = ["Rank", "Stuck", "Task", "Turns", "current_task", "in_background", "start_thread"]
 
 
 class Stuck(RuntimeError):
@@ -65,6 +66,7 @@ class Task:
 
     def __init__(self, turns: Turns, rank: Rank, name: str, main: bool) -> None:
         self.turns = turns
+        self.parent: Task | None = None
         self.rank = rank
         self.name = name
         self.main = main
@@ -156,6 +158,10 @@ class Turns:
 
     def all_done(self) -> bool:
         return all(t.state == "done" for t in self.tasks)
+
+    def children_done(self, task: Task) -> bool:
+        """Whether every thread ``task``'s rank started has ended."""
+        return all(t.state == "done" for t in self.tasks if t.rank is task.rank and not t.main)
 
     def wait_all(self, timeout: float | None) -> bool:
         """Caller side: wait until every task is done (``False`` at the timeout)."""
@@ -273,6 +279,7 @@ def start_thread(
         return thread
     turns = task.turns
     child = turns.add(task.rank, name, main=False)
+    child.parent = task
     context = contextvars.copy_context()
 
     def run() -> None:
@@ -285,3 +292,39 @@ def start_thread(
     thread = threading.Thread(target=context.run, args=(run,), name=name, daemon=True)
     thread.start()
     return thread
+
+
+class _TurnFuture(concurrent.futures.Future):
+    """A future whose waits give the turn away in an in-process rank (the thread that sets it
+    is a task of that rank, which needs the turn to run)."""
+
+    def _await(self, timeout: float | None) -> None:
+        task = _TASK.get()
+        if task is not None and not self.done():
+            task.turns.block(self.done, "the result of its own background thread")
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._await(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._await(timeout)
+        return super().exception(timeout)
+
+
+def in_background(job: Callable[[], None], *, name: str) -> concurrent.futures.Future[None]:
+    """Run ``job`` in a thread (:func:`start_thread`); its future, set when it ends (waiting
+    on it in an in-process rank gives the turn to the thread)."""
+    future: concurrent.futures.Future[None] = _TurnFuture()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            job()
+        except BaseException as e:
+            future.set_exception(e)
+        else:
+            future.set_result(None)
+
+    start_thread(run, name=name)
+    return future

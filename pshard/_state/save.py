@@ -12,7 +12,7 @@ plain values, every rank's RNG states) and switches the new checkpoint in atomic
 
 ``async_save=True`` copies the blocks and tensors to CPU memory before it returns (later
 in-place updates do not reach the checkpoint) and writes in a background thread, whose
-exchanges go through a gloo process group made for that save.
+exchanges go through a process group made for that save (gloo beside NCCL).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -32,6 +31,8 @@ import torch.distributed as dist
 from .._core.global_tensor import GlobalTensor
 from .._core.tree import describe, tree_flatten_with_path
 from .._runtime.debug import debug_enabled
+from .._runtime.mesh import cpu_group
+from .._runtime.turns import in_background
 from .._shard_map.global_ops import reshard, to_dtensor
 from .atomic import SaveLock, aside_path, check_target, new_token, remove_stale, switch
 from .comm import Comm, GroupComm, LocalComm, agree, default_comm
@@ -117,7 +118,7 @@ def save(
         if not async_save:
             job(comm)
             return None
-        group = dist.new_group(backend="gloo") if isinstance(comm, GroupComm) else None
+        group = cpu_group() if isinstance(comm, GroupComm) else None
         future = _in_background(job, group, locks[0] if locks else None)
         locks.clear()  # the background thread releases it
         return future
@@ -129,24 +130,16 @@ def save(
 def _in_background(
     job: Callable[[Comm], None], group: dist.ProcessGroup | None, lock: SaveLock | None
 ) -> Future[None]:
-    future: Future[None] = Future()
-    future.set_running_or_notify_cancel()
-
     def run() -> None:
         try:
             job(GroupComm(group) if group is not None else LocalComm())
-        except BaseException as e:
-            future.set_exception(e)
-        else:
-            future.set_result(None)
         finally:
             if lock is not None:
                 lock.release()
             if group is not None:
                 dist.destroy_process_group(group)
 
-    threading.Thread(target=run, name="pshard-save", daemon=False).start()
-    return future
+    return in_background(run, name="pshard-save")
 
 
 def _prepare(
