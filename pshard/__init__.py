@@ -1,5 +1,6 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from . import optim as optim
 from ._collectives.functions import all_gather as all_gather
 from ._collectives.functions import all_to_all as all_to_all
 from ._collectives.functions import axis_index as axis_index
@@ -117,6 +118,7 @@ __all__ = [
     "local_shape_and_offset",
     "local_stride",
     "merge",
+    "optim",
     "P",
     "Partial",
     "Placement",

@@ -8,8 +8,8 @@ Imports torch only; every layer of pshard may import it.
 - functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`innermost`,
   :func:`unwrap_dead`, :func:`outside_transforms`;
 - the autograd engine: :func:`graph_task_id`, :func:`queue_backward_callback`;
-- private kernels and types: :func:`aten_op`, :func:`strided_shard_type`,
-  :func:`dcp_metadata_classes`;
+- private kernels and types: :func:`aten_op`, :func:`foreach` (torch's multi-tensor kernels),
+  :func:`strided_shard_type`, :func:`dcp_metadata_classes`;
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
   :func:`flattened_group`, :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
@@ -53,6 +53,7 @@ __all__ = [
     "fake_mode_active",
     "fake_tensor_types",
     "flattened_group",
+    "foreach",
     "forward_ad_active",
     "get_attr_key",
     "graph_task_id",
@@ -129,6 +130,12 @@ def aten_op(name: str) -> Any:
     """The ``torch.ops.aten`` op ``name`` (a private kernel entry point), or ``None`` where
     this torch build lacks it."""
     return getattr(torch.ops.aten, name, None)
+
+
+def foreach(name: str) -> Callable[..., Any]:
+    """torch's multi-tensor kernel ``torch._foreach_<name>`` (what ``torch.optim``'s foreach
+    paths run: one call over a list of tensors of one device and dtype)."""
+    return cast(Callable[..., Any], getattr(torch, f"_foreach_{name}"))
 
 
 def strided_shard_type() -> Any:
