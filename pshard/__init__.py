@@ -56,6 +56,7 @@ from ._shard_map.global_ops import shard as shard
 from ._shard_map.global_ops import to_dtensor as to_dtensor
 from ._shard_map.shard_map import shard_map as shard_map
 from ._shard_map.sharded_call import sharded_call as sharded_call
+from ._state.init import init_sharded as init_sharded
 from ._state.load import load as load
 from ._state.load import load_metadata as load_metadata
 from ._state.manifest import SavedObject as SavedObject
@@ -113,6 +114,7 @@ __all__ = [
     "global_shape_and_stride",
     "heads_to_seq",
     "infer_out_specs",
+    "init_sharded",
     "init_mesh",
     "local_indices",
     "local_shape_and_offset",

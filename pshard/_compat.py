@@ -10,6 +10,8 @@ Imports torch only; every layer of pshard may import it.
 - the autograd engine: :func:`graph_task_id`, :func:`queue_backward_callback`;
 - private kernels and types: :func:`aten_op`, :func:`foreach` (torch's multi-tensor kernels),
   :func:`strided_shard_type`, :func:`dcp_metadata_classes`;
+- tensors as objects: :func:`make_subclass` (a tensor viewed as a subclass),
+  :func:`storage_key` (which storage a tensor, its views and aliases share);
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
   :func:`flattened_group`, :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
@@ -65,11 +67,13 @@ __all__ = [
     "level_of",
     "live_wrapper",
     "lowered",
+    "make_subclass",
     "outside_transforms",
     "queue_backward_callback",
     "register_torch_pytree",
     "reparametrized",
     "resolve_group",
+    "storage_key",
     "strided_shard_type",
     "top_transform",
     "tracing",
@@ -136,6 +140,18 @@ def foreach(name: str) -> Callable[..., Any]:
     """torch's multi-tensor kernel ``torch._foreach_<name>`` (what ``torch.optim``'s foreach
     paths run: one call over a list of tensors of one device and dtype)."""
     return cast(Callable[..., Any], getattr(torch, f"_foreach_{name}"))
+
+
+def make_subclass(cls: type[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an instance of the tensor subclass ``cls`` (the same storage; no grad)."""
+    return torch.Tensor._make_subclass(cls, t, False)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage, shared by its views and aliases (``.data``, ``detach``) and
+    distinct for separately made tensors, meta tensors included (whose data pointers are all
+    0); valid while the storage lives."""
+    return int(t.untyped_storage()._cdata)
 
 
 def strided_shard_type() -> Any:
