@@ -12,8 +12,10 @@ module is left as it was.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import re
+import threading
 import weakref
 from typing import Any
 
@@ -146,6 +148,28 @@ def _llama_worker(ranks: int) -> dict[str, torch.Tensor]:
     assert list(params) == [name for name, _ in model.named_parameters()]
     assert not any("_is_hf_initialized" in m.__dict__ for m in model.modules())
     return ps.gather(params)
+
+
+def test_threads_sharing_one_module() -> None:
+    """Ranks that are threads may pass the same module: each swaps its stand-ins in turn."""
+    mesh = ps.init_mesh({"dp": 1})
+    model = _meta_block()
+    results: list[dict[str, torch.Tensor]] = []
+
+    def rank() -> None:
+        with ps.use_mesh(mesh):
+            for _ in range(3):
+                results.append(ps.gather(ps.init_sharded(model, None, seed=7)))
+
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(rank,))
+               for _ in range(3)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    one = _gathered(None, {"dp": 1})
+    assert len(results) == 9
+    assert all(torch.equal(r[k], one[k]) for r in results for k in one)
 
 
 # --------------------------------------------------------------------------- memory

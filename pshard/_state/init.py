@@ -23,7 +23,8 @@ The initialiser is the one registered by an integration for the module's family
 (:func:`register_initializer`; the Hugging Face integration registers the model's own weight
 initialisation), else each submodule's ``reset_parameters()``, children first (as
 ``Module.apply``). The registry is written when an integration is imported and read
-afterwards.
+afterwards. Ranks that are threads of one process may pass the same module: one at a time
+swaps its parameters for stand-ins (a lock held while the initialiser runs on them).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,6 +73,10 @@ Initializer = Callable[[nn.Module], Callable[[], None] | None]
 
 # initialiser name -> initialiser; written when an integration is imported, read afterwards
 _INITIALIZERS: dict[str, Initializer] = {}
+
+# held while a module's parameters are swapped for stand-ins (ranks that are threads of one
+# process may pass the same module)
+_SWAPPING = threading.Lock()
 
 
 def register_initializer(name: str, initializer: Initializer) -> None:
@@ -256,7 +262,8 @@ def record(module: nn.Module) -> dict[str, tuple[list[_Op], torch.dtype, tuple[i
     keys = {storage_key(s): first[i] for i, s in stand_ins.items()}
     which, run = _initializer(module)
     recorder = _Recorder(keys, shapes)
-    with reparametrized(module, tensors):
+    # ranks that are threads may share the module: one swaps its parameters at a time
+    with _SWAPPING, reparametrized(module, tensors):
         try:
             with torch.no_grad(), recorder:
                 run()
@@ -270,9 +277,9 @@ def record(module: nn.Module) -> dict[str, tuple[list[_Op], torch.dtype, tuple[i
                 f"values it draws (nn.init.trunc_normal_'s rejection sampling, orthogonal_) or "
                 f"computes them from data cannot be drawn tile by tile"
             ) from e
+        now = dict(module.named_parameters(remove_duplicate=False))
         for name, t in tensors.items():
-            now = dict(module.named_parameters(remove_duplicate=False)).get(name)
-            if now is not t or storage_key(t) not in keys:
+            if now.get(name) is not t or storage_key(t) not in keys:
                 raise ValueError(
                     f"{_FN}: the module's initialiser ({which}) replaces parameter {name!r} "
                     f"instead of writing it in place; init_sharded can only replay writes"
