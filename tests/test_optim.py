@@ -6,6 +6,7 @@ against torch.optim.AdamW(foreach=True).step() on the same tensors."""
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -283,38 +284,73 @@ def test_schedule_and_mask_errors() -> None:
 # --------------------------------------------------------------------------- speed
 
 
-def _median_ratio(ours: Any, theirs: Any, rounds: int) -> float:
-    for _ in range(3):  # warm up (the allocator too)
-        ours()
-        theirs()
-    ratios = []
-    for _ in range(rounds):
+def _best_of(fn: Any, after: Any, calls: int = 3) -> float:
+    """The shortest of ``calls`` timed calls of ``fn`` (``after`` untimed after each): on a
+    shared machine, the time it takes when it has the core to itself."""
+    best = math.inf
+    for _ in range(calls):
         t0 = time.perf_counter()
-        theirs()
-        t1 = time.perf_counter()
-        ours()
-        t2 = time.perf_counter()
-        ratios.append((t2 - t1) / (t1 - t0))
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if after is not None:
+            after()
+    return best
+
+
+def _median_ratio(ours: Any, theirs: Any, rounds: int, after: Any = None) -> float:
+    """The median over interleaved rounds (after two warm-up rounds) of ``ours``' time over
+    ``theirs``', each the best of three calls; ``after`` runs untimed after each call of
+    ``ours``."""
+    ratios = []
+    for r in range(rounds + 2):
+        mine, torch_time = _best_of(ours, after), _best_of(theirs, None)
+        if r >= 2:
+            ratios.append(mine / torch_time)
     return statistics.median(ratios)
+
+
+def _speed_case(shapes: list[tuple[int, ...]]) -> tuple[dict, dict, Any, Any]:
+    g = torch.Generator().manual_seed(0)
+    params = {f"p{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    leaves = [v.clone().requires_grad_() for v in params.values()]
+    for p, x in zip(leaves, grads.values(), strict=True):
+        p.grad = x.clone()
+    opt = torch.optim.AdamW(leaves, lr=1e-3, weight_decay=0.01, foreach=True)
+    return params, grads, opt, optim.adamw(1e-3, weight_decay=0.01)
 
 
 def test_adamw_speed_against_torch_foreach() -> None:
     """A pure update plus apply_updates within 1.75x of torch's in-place foreach step on the
-    same tensors (medians of interleaved rounds)."""
-    torch.manual_seed(0)
-    shapes = [(256, 256)] * 6 + [(256,)] * 12 + [(1024, 64)] * 2
-    params = {f"p{i}": torch.randn(s) for i, s in enumerate(shapes)}
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
-    leaves = [v.clone().requires_grad_() for v in params.values()]
-    for p, g in zip(leaves, grads.values(), strict=True):
-        p.grad = g.clone()
-    opt = torch.optim.AdamW(leaves, lr=1e-3, weight_decay=0.01, foreach=True)
-    tx = optim.adamw(1e-3, weight_decay=0.01)
+    same tensors, and a donating one within 1.5x (the benchmark measures about 1.0x): medians
+    over interleaved rounds, each the best of three calls.
+
+    The pure step allocates its results (moments, updates, parameters) where torch's writes in
+    place. Tensors of at most 128 KiB come from the allocator's heap, where that costs little;
+    larger ones are fresh pages each time, whose first touch costs more than a pass over them
+    on a CPU (benchmarks/optim.py measures both): there the donating step is the one to use.
+    """
+    params, grads, opt, tx = _speed_case([(128, 128)] * 24 + [(128,)] * 24)
     box = {"params": params, "state": tx.init(params)}
 
-    def step() -> None:
+    def pure() -> None:
         updates, box["state"] = tx.update(grads, box["state"], box["params"])
         box["params"] = optim.apply_updates(box["params"], updates)
 
-    ratio = _median_ratio(step, opt.step, rounds=41)
+    ratio = _median_ratio(pure, opt.step, rounds=15)
     assert ratio <= 1.75, ratio
+
+    params, grads, opt, tx = _speed_case([(512, 512)] * 4 + [(512,)] * 4)
+    box = {"params": params, "state": tx.init(params)}
+    spare = optree.tree_map(torch.clone, grads)
+
+    def donating() -> None:
+        updates, box["state"] = tx.update(spare, box["state"], box["params"], donate=True)
+        box["params"] = optim.apply_updates(box["params"], updates, donate=True)
+
+    def refresh() -> None:  # the next gradients, as a backward pass would write them
+        for s, x in zip(spare.values(), grads.values(), strict=True):
+            s.copy_(x)
+
+    ratio = _median_ratio(donating, opt.step, rounds=15, after=refresh)
+    assert ratio <= 1.5, ratio

@@ -25,10 +25,9 @@ import numpy as np
 import torch
 
 from .._compat import foreach
-from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe
 from ._base import GradientTransformation, Schedule, check_number, check_rate, rate_at
-from ._leaves import Flat, check_like, flatten, groups, scaled
+from ._leaves import Flat, cast, check_like, flatten, groups, prefix_flat, scaled
 
 __all__ = ["ScaleByAdamState", "adam", "adamw"]
 
@@ -66,7 +65,7 @@ def _flags(mask: Any, params: Any, p: Flat, fn: str) -> list[bool]:
         return [True] * len(p.blocks)
     tree = mask(params) if callable(mask) else mask
     try:
-        flags = broadcast_prefix_flat(tree, p.treedef, p.blocks, name="mask", fn_name=fn)
+        flags = prefix_flat(tree, p, "mask", fn)
     except ValueError as e:
         raise ValueError(
             f"{e}; the mask is a tree of bools with the params' structure or a prefix of it"
@@ -140,7 +139,7 @@ def _scale_by_adam(
         with torch.no_grad() if donate else contextlib.nullcontext():
             for idx in groups([(b.device, b.dtype, decays[i]) for i, b in enumerate(m.blocks)]):
                 dtype = m.blocks[idx[0]].dtype
-                gs = [g.blocks[i].to(dtype) for i in idx]
+                gs = cast(g.blocks, idx, dtype)
                 mus, nus = [m.blocks[i] for i in idx], [v.blocks[i] for i in idx]
                 if donate:
                     _lerp_(mus, gs, 1 - b1)
@@ -153,7 +152,7 @@ def _scale_by_adam(
                 into = gs if donate else None  # the donated gradients hold the updates
                 if decays[idx[0]]:
                     assert p is not None
-                    ps_ = [p.blocks[i].to(dtype) for i in idx]
+                    ps_ = cast(p.blocks, idx, dtype)
                     us = scaled(ps_, -lr * weight_decay, into)
                     _addcdiv_(us, mus, denom, -step)
                 else:

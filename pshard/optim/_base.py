@@ -72,8 +72,14 @@ def rate_at(learning_rate: float | Schedule, count: int, fn: str) -> float:
     called with ``count``, 0 at the first update, as optax's ``scale_by_schedule``).
 
     Raises:
-        TypeError: the schedule returned something other than a real number.
+        TypeError: ``count`` (the state's) is not an int, or the schedule returned something
+            other than a real number.
     """
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(
+            f"{fn}: the state's count is {describe(count)}, not an int; pass the state init "
+            f"(or the last update, or ps.load) returned"
+        )
     if not callable(learning_rate):
         return float(learning_rate)
     value = learning_rate(count)

@@ -21,13 +21,12 @@ import torch
 
 from .._collectives.functions import psum
 from .._compat import foreach
-from .._core.global_tensor import MeshKey, mesh_key
+from .._core.global_tensor import GlobalMeta, MeshKey, mesh_key
 from .._core.placements import P, Partial, Replicate, Shard, StridedShard
-from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe
 from .._runtime.mesh import mesh_for, resolve_axis
 from ._base import EmptyState, GradientTransformation, check_number
-from ._leaves import Flat, flatten, groups
+from ._leaves import Flat, flatten, groups, prefix_flat
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 
@@ -47,9 +46,11 @@ def _split_axes(spec: P, key: MeshKey) -> tuple[str, ...]:
     return tuple(n for n, s in zip(key.names, key.sizes, strict=True) if n in named and s > 1)
 
 
-def _leaf_axes(flat: Flat, i: int, spec: Any, fn: str) -> tuple[Any, tuple[str, ...]]:
-    """(mesh, axes that split leaf ``i``) with ``spec`` its entry of ``specs`` (or ``None``)."""
-    meta = flat.metas[i]
+def _leaf_axes(
+    flat: Flat, i: int, meta: GlobalMeta | None, spec: Any, fn: str
+) -> tuple[Any, tuple[str, ...]]:
+    """(mesh, axes that split leaf ``i``, whose layout is ``meta``) with ``spec`` its entry of
+    ``specs`` (or ``None``)."""
     if meta is not None:
         if spec is not None and not isinstance(spec, Replicate) and spec != P():
             raise ValueError(
@@ -88,7 +89,7 @@ def _leaf_axes(flat: Flat, i: int, spec: Any, fn: str) -> tuple[Any, tuple[str, 
 
 def _sums_of_squares(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each block's sum of squares, 0-dim, in its accumulator dtype."""
-    out: list[torch.Tensor] = [blocks[0]] * len(blocks) if blocks else []
+    out: dict[int, torch.Tensor] = {}
     keys: list[Hashable] = [(b.device, b.dtype) for b in blocks]
     for idx in groups(keys):
         first = blocks[idx[0]]
@@ -97,7 +98,7 @@ def _sums_of_squares(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
         norms = _norm(xs, 2, dtype=None if acc == first.dtype else acc)
         for i, n in zip(idx, norms, strict=True):
             out[i] = n.to(acc) * n.to(acc)
-    return out
+    return [out[i] for i in range(len(blocks))]
 
 
 def norm_of(flat: Flat, specs: Any, fn: str) -> torch.Tensor:
@@ -105,11 +106,10 @@ def norm_of(flat: Flat, specs: Any, fn: str) -> torch.Tensor:
     if not flat.blocks:
         return torch.zeros(())
     leaf_specs = (
-        [None] * len(flat.blocks)
-        if specs is None
-        else broadcast_prefix_flat(specs, flat.treedef, flat.blocks, name="specs", fn_name=fn)
+        [None] * len(flat.blocks) if specs is None else prefix_flat(specs, flat, "specs", fn)
     )
-    placed = [_leaf_axes(flat, i, s, fn) for i, s in enumerate(leaf_specs)]
+    metas = flat.metas
+    placed = [_leaf_axes(flat, i, metas[i], s, fn) for i, s in enumerate(leaf_specs)]
     squares = _sums_of_squares(flat.blocks)
     device = flat.blocks[0].device
     dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32

@@ -18,7 +18,7 @@ import torch
 from .._compat import foreach
 from .._core.tree import describe
 from ._base import GradientTransformation, Schedule, check_number, check_rate, rate_at
-from ._leaves import check_like, flatten, groups
+from ._leaves import cast, check_like, flatten, groups
 
 __all__ = ["SgdState", "sgd"]
 
@@ -111,7 +111,7 @@ def sgd(
         with torch.no_grad() if donate else contextlib.nullcontext():
             for idx in groups([(b.device, b.dtype) for b in tr.blocks]):
                 dtype = tr.blocks[idx[0]].dtype
-                gs = [g.blocks[i].to(dtype) for i in idx]
+                gs = cast(g.blocks, idx, dtype)
                 ts = [tr.blocks[i] for i in idx]
                 if donate:
                     _mul_(ts, decay)
