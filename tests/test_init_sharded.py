@@ -273,43 +273,41 @@ class Half(Orthogonal):
         nn.init.normal_(self.w)
 
 
-def test_refusals_name_the_parameter() -> None:
+REFUSALS = {
+    "orthogonal": (
+        Orthogonal,
+        "init_sharded: the initialiser of parameter 'w' copies a tensor into it; "
+        "init_sharded draws each rank's blocks tile by tile",
+    ),
+    "trunc_normal": (
+        Truncated,
+        "init_sharded: the module's initialiser (reset_parameters) failed on pshard's "
+        "stand-ins for its parameters (after writing 'w'): RuntimeError",
+    ),
+    "no initialiser": (
+        Unset,
+        "init_sharded: parameter 'scale' (shape (3,)) is not initialised by the module's "
+        "initialiser (reset_parameters)",
+    ),
+    "in part": (Half, "init_sharded: parameter 'b' (shape (4,)) is not initialised in full"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_name_the_parameter(case: str) -> None:
     ps.init_mesh({"dp": 1})
+    cls, message = REFUSALS[case]
+    with torch.device("meta"):
+        model = cls()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ps.init_sharded(model, None, seed=0)
 
-    def build(cls: Any) -> nn.Module:
-        with torch.device("meta"):
-            return cls()
 
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "init_sharded: the initialiser of parameter 'w' copies a tensor into it; "
-            "init_sharded draws each rank's blocks tile by tile"
-        ),
-    ):
-        ps.init_sharded(build(Orthogonal), None, seed=0)
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "init_sharded: the module's initialiser (reset_parameters) failed on pshard's "
-            "stand-ins for its parameters (after writing 'w'): RuntimeError"
-        ),
-    ):
-        ps.init_sharded(build(Truncated), None, seed=0)
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "init_sharded: parameter 'scale' (shape (3,)) is not initialised by the module's "
-            "initialiser (reset_parameters)"
-        ),
-    ):
-        ps.init_sharded(build(Unset), None, seed=0)
-    with pytest.raises(ValueError, match=re.escape("'b' (shape (4,)) is not initialised in full")):
-        ps.init_sharded(build(Half), None, seed=0)
-    linear = build(lambda: nn.Linear(3, 2))
+def test_spec_errors_name_the_parameter() -> None:
+    ps.init_mesh({"dp": 1})
+    with torch.device("meta"):
+        linear = nn.Linear(3, 2)
     with pytest.raises(ValueError, match=re.escape("init_sharded specs: the spec is a dict")):
         ps.init_sharded(linear, {"weight": P("dp")}, seed=0)
-    with pytest.raises(
-        ValueError, match=re.escape("init_sharded specs['bias']: P('dp', None) has")
-    ):
+    with pytest.raises(ValueError, match=re.escape("specs['bias']: P('dp', None) has 2 entries")):
         ps.init_sharded(linear, {"weight": P("dp"), "bias": P("dp", None)}, seed=0)

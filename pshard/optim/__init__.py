@@ -8,13 +8,14 @@ layout (``ps.save`` / ``ps.load`` store and reshard it) and the math runs on thi
 with torch's multi-tensor (foreach) kernels, one call per device and dtype.
 ``docs/optim.md`` maps optax to pshard.
 
-Private modules, bottom up: ``_leaves`` (trees as the kernels see them: flat lists of blocks,
-checked and grouped), ``_base`` (``GradientTransformation``, ``chain``, ``apply_updates``,
-schedules as learning rates, donation), ``_schedules``, ``_norm`` (``global_norm`` over sharded
-trees, ``clip_by_global_norm``), ``_sgd``, ``_adam``.
+Private modules, bottom up: ``_kernels`` (torch's foreach kernels, looked up once),
+``_leaves`` (trees as the kernels see them: flat lists of blocks, checked and grouped),
+``_base`` (``GradientTransformation``, ``chain``, ``apply_updates``, schedules as learning
+rates, donation), ``_schedules``, ``_norm`` (``global_norm`` over sharded trees,
+``clip_by_global_norm``), ``_sgd``, ``_adam``.
 
-Imports :mod:`pshard._core`, :mod:`pshard._runtime`, :mod:`pshard._collectives` and
-:mod:`pshard._shard_map`; sits beside :mod:`pshard._microbatch`, :mod:`pshard.sequence` and
+Imports :mod:`pshard._compat`, :mod:`pshard._core`, :mod:`pshard._runtime` and
+:mod:`pshard._collectives`; sits beside :mod:`pshard._microbatch`, :mod:`pshard.sequence` and
 :mod:`pshard._state`.
 """
 

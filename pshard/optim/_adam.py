@@ -24,22 +24,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._compat import foreach
 from .._core.tree import describe
-from ._base import GradientTransformation, Schedule, check_number, check_rate, rate_at
+from . import _kernels as kernels
+from ._base import GradientTransformation, Schedule, check_number, check_rate, check_state, rate_at
 from ._leaves import Flat, cast, check_like, flatten, groups, prefix_flat, scaled
 
 __all__ = ["ScaleByAdamState", "adam", "adamw"]
-
-_addcdiv_ = foreach("addcdiv_")
-_addcmul_ = foreach("addcmul_")
-_add_ = foreach("add_")
-_div_ = foreach("div_")
-_lerp = foreach("lerp")
-_lerp_ = foreach("lerp_")
-_mul = foreach("mul")
-_mul_ = foreach("mul_")
-_sqrt = foreach("sqrt")
 
 
 class ScaleByAdamState(NamedTuple):
@@ -106,11 +96,7 @@ def _scale_by_adam(
     def update(
         updates: Any, state: Any, params: Any = None, *, donate: bool = False
     ) -> tuple[Any, ScaleByAdamState]:
-        if not isinstance(state, ScaleByAdamState):
-            raise TypeError(
-                f"{fn}: state is {describe(state)}, not a ScaleByAdamState; pass the state "
-                f"init (or the last update) returned"
-            )
+        check_state(state, ScaleByAdamState, fn)
         count = state.count
         m = flatten(state.mu, fn, "state.mu")
         v = flatten(state.nu, fn, "state.nu")
@@ -142,22 +128,22 @@ def _scale_by_adam(
                 gs = cast(g.blocks, idx, dtype)
                 mus, nus = [m.blocks[i] for i in idx], [v.blocks[i] for i in idx]
                 if donate:
-                    _lerp_(mus, gs, 1 - b1)
-                    _mul_(nus, b2)
+                    kernels.lerp_(mus, gs, 1 - b1)
+                    kernels.mul_(nus, b2)
                 else:
-                    mus, nus = _lerp(mus, gs, 1 - b1), _mul(nus, b2)
-                _addcmul_(nus, gs, gs, 1 - b2)
-                denom = _sqrt(nus)
-                _add_(denom, tiny)
+                    mus, nus = kernels.lerp(mus, gs, 1 - b1), kernels.mul(nus, b2)
+                kernels.addcmul_(nus, gs, gs, 1 - b2)
+                denom = kernels.sqrt(nus)
+                kernels.add_(denom, tiny)
                 into = gs if donate else None  # the donated gradients hold the updates
                 if decays[idx[0]]:
                     assert p is not None
                     ps_ = cast(p.blocks, idx, dtype)
                     us = scaled(ps_, -lr * weight_decay, into)
-                    _addcdiv_(us, mus, denom, -step)
+                    kernels.addcdiv_(us, mus, denom, -step)
                 else:
                     us = scaled(mus, -step, into)
-                    _div_(us, denom)
+                    kernels.div_(us, denom)
                 for j, i in enumerate(idx):
                     new_mu[i], new_nu[i], out[i] = mus[j], nus[j], us[j]
         return g.rebuild(out), ScaleByAdamState(t, m.rebuild(new_mu), v.rebuild(new_nu))

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._compat import foreach
-from .._core.tree import describe
+from .._core.tree import article, describe
+from . import _kernels as kernels
 from ._leaves import check_like, flatten, groups
 
 __all__ = [
@@ -30,14 +30,12 @@ __all__ = [
     "chain",
     "check_number",
     "check_rate",
+    "check_state",
     "rate_at",
     "run_update",
 ]
 
 Schedule = Callable[[int], float]
-
-_add = foreach("add")
-_add_ = foreach("add_")
 
 
 class GradientTransformation(NamedTuple):
@@ -59,6 +57,15 @@ def check_number(value: Any, fn: str, arg: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}: {arg} must be a real number, got {describe(value)}")
     return float(value)
+
+
+def check_state(state: Any, cls: type, fn: str) -> None:
+    """A ``TypeError`` naming ``fn`` unless ``state`` is a ``cls`` (the transform's state)."""
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{fn}: state is {describe(state)}, not {article(cls.__name__)}; pass the state "
+            f"init (or the last update, or ps.load) returned"
+        )
 
 
 def check_rate(learning_rate: Any, fn: str) -> None:
@@ -190,9 +197,9 @@ def apply_updates(params: Any, updates: Any, *, donate: bool = False) -> Any:
         xs, ys = [p.blocks[i] for i in idx], [u.blocks[i] for i in idx]
         if donate:
             with torch.no_grad():
-                _add_(xs, ys)
+                kernels.add_(xs, ys)
             continue
-        sums = _add(xs, ys)
+        sums = kernels.add(xs, ys)
         for i, s in zip(idx, sums, strict=True):
             out[i] = s if s.dtype == p.blocks[i].dtype else s.to(p.blocks[i].dtype)
     return p.rebuild(out)

@@ -21,10 +21,10 @@ import optree
 import torch
 from optree import PyTreeSpec
 
-from .._compat import foreach
 from .._core.global_tensor import GlobalMeta, is_global
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import NAMESPACE, describe, keystr, tree_flatten, tree_flatten_with_path
+from . import _kernels as kernels
 
 __all__ = [
     "Flat",
@@ -36,8 +36,6 @@ __all__ = [
     "prefix_flat",
     "scaled",
 ]
-
-_mul = foreach("mul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,5 +189,5 @@ def scaled(
         for x, out in zip(xs, into, strict=True):
             torch.mul(x, factor, out=out)
         return into
-    out_: list[torch.Tensor] = _mul(xs, factor)
+    out_: list[torch.Tensor] = kernels.mul(xs, factor)
     return out_

@@ -20,19 +20,15 @@ from typing import Any
 import torch
 
 from .._collectives.functions import psum
-from .._compat import foreach
 from .._core.global_tensor import GlobalMeta, MeshKey, mesh_key
 from .._core.placements import P, Partial, Replicate, Shard, StridedShard
 from .._core.tree import describe
 from .._runtime.mesh import mesh_for, resolve_axis
+from . import _kernels as kernels
 from ._base import EmptyState, GradientTransformation, check_number
 from ._leaves import Flat, flatten, groups, prefix_flat
 
 __all__ = ["clip_by_global_norm", "global_norm"]
-
-_norm = foreach("norm")
-_mul = foreach("mul")
-_mul_ = foreach("mul_")
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -95,7 +91,7 @@ def _sums_of_squares(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
         first = blocks[idx[0]]
         acc = _accumulator(first.dtype)
         xs = [blocks[i] for i in idx]
-        norms = _norm(xs, 2, dtype=None if acc == first.dtype else acc)
+        norms = kernels.norm(xs, 2, dtype=None if acc == first.dtype else acc)
         for i, n in zip(idx, norms, strict=True):
             out[i] = n.to(acc) * n.to(acc)
     return [out[i] for i in range(len(blocks))]
@@ -222,9 +218,9 @@ def clip_by_global_norm(max_norm: float, *, specs: Any = None) -> GradientTransf
                 f = f.to(device=xs[0].device, dtype=xs[0].dtype)
             if donate:
                 with torch.no_grad():
-                    _mul_(xs, f)
+                    kernels.mul_(xs, f)
                 continue
-            for i, y in zip(idx, _mul(xs, f), strict=True):
+            for i, y in zip(idx, kernels.mul(xs, f), strict=True):
                 out[i] = y
         return flat.rebuild(out), EmptyState()
 

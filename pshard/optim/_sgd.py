@@ -15,17 +15,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._compat import foreach
 from .._core.tree import describe
-from ._base import GradientTransformation, Schedule, check_number, check_rate, rate_at
+from . import _kernels as kernels
+from ._base import GradientTransformation, Schedule, check_number, check_rate, check_state, rate_at
 from ._leaves import cast, check_like, flatten, groups
 
 __all__ = ["SgdState", "sgd"]
-
-_add = foreach("add")
-_add_ = foreach("add_")
-_mul = foreach("mul")
-_mul_ = foreach("mul_")
 
 
 class SgdState(NamedTuple):
@@ -85,11 +80,7 @@ def sgd(
     def update(
         updates: Any, state: Any, params: Any = None, *, donate: bool = False
     ) -> tuple[Any, SgdState]:
-        if not isinstance(state, SgdState):
-            raise TypeError(
-                f"{fn}: state is {describe(state)}, not an SgdState; pass the state init (or "
-                f"the last update) returned"
-            )
+        check_state(state, SgdState, fn)
         lr = rate_at(learning_rate, state.count, fn)
         g = flatten(updates, fn, "grads")
         out: list[torch.Tensor] = list(g.blocks)
@@ -98,10 +89,10 @@ def sgd(
                 for idx in groups([(b.device, b.dtype) for b in g.blocks]):
                     gs = [g.blocks[i] for i in idx]
                     if donate:
-                        _mul_(gs, -lr)
+                        kernels.mul_(gs, -lr)
                         us = gs
                     else:
-                        us = _mul(gs, -lr)
+                        us = kernels.mul(gs, -lr)
                     for j, i in enumerate(idx):
                         out[i] = us[j]
             return g.rebuild(out), SgdState(state.count + 1, None)
@@ -114,19 +105,19 @@ def sgd(
                 gs = cast(g.blocks, idx, dtype)
                 ts = [tr.blocks[i] for i in idx]
                 if donate:
-                    _mul_(ts, decay)
-                    _add_(ts, gs)
+                    kernels.mul_(ts, decay)
+                    kernels.add_(ts, gs)
                 else:
-                    ts = _add(gs, ts, alpha=decay)
+                    ts = kernels.add(gs, ts, alpha=decay)
                 if nesterov:
                     if donate:
-                        _add_(gs, ts, alpha=decay)
+                        kernels.add_(gs, ts, alpha=decay)
                         us = gs
                     else:
-                        us = _add(gs, ts, alpha=decay)
-                    _mul_(us, -lr)
+                        us = kernels.add(gs, ts, alpha=decay)
+                    kernels.mul_(us, -lr)
                 else:
-                    us = _mul(ts, -lr)
+                    us = kernels.mul(ts, -lr)
                 for j, i in enumerate(idx):
                     new_trace[i], out[i] = ts[j], us[j]
         return g.rebuild(out), SgdState(state.count + 1, tr.rebuild(new_trace))
