@@ -24,7 +24,6 @@ from optree import PyTreeSpec
 from .._core.global_tensor import GlobalMeta, is_global
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import NAMESPACE, describe, keystr, tree_flatten, tree_flatten_with_path
-from . import _kernels as kernels
 
 __all__ = [
     "Flat",
@@ -34,7 +33,6 @@ __all__ = [
     "groups",
     "layout_text",
     "prefix_flat",
-    "scaled",
 ]
 
 
@@ -72,7 +70,10 @@ class Flat:
 
     def rebuild(self, blocks: Sequence[torch.Tensor]) -> Any:
         """A tree of this structure holding ``blocks``, each in a ``GlobalTensor`` of its
-        leaf's layout where the leaf was one."""
+        leaf's layout where the leaf was one (the tree itself when they are its own blocks,
+        written in place)."""
+        if all(a is b for a, b in zip(blocks, self.blocks, strict=True)):
+            return self.tree
         return self.treedef.unflatten(blocks)
 
 
@@ -177,17 +178,3 @@ def groups(keys: Sequence[Hashable]) -> list[list[int]]:
 def cast(xs: list[torch.Tensor], idx: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """``xs[i]`` for ``i`` in ``idx``, in ``dtype`` (the tensors themselves where they are)."""
     return [xs[i] if xs[i].dtype == dtype else xs[i].to(dtype) for i in idx]
-
-
-def scaled(
-    xs: list[torch.Tensor], factor: float, into: list[torch.Tensor] | None = None
-) -> list[torch.Tensor]:
-    """``xs * factor``, written into ``into`` (donated tensors of the same shapes and dtypes)
-    when given and on the CPU, where torch's multi-tensor kernels are loops over the tensors
-    anyway; new tensors otherwise (one multi-tensor kernel; a CUDA allocation is cheap)."""
-    if into is not None and xs and xs[0].device.type == "cpu":
-        for x, out in zip(xs, into, strict=True):
-            torch.mul(x, factor, out=out)
-        return into
-    out_: list[torch.Tensor] = kernels.mul(xs, factor)
-    return out_
