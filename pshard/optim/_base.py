@@ -3,10 +3,11 @@
 
 A transform is optax's pair of pure functions: ``init(params) -> state`` and
 ``update(updates, state, params=None) -> (updates, state)``. pshard's own transforms also take
-``donate=False`` (keyword-only): with ``donate=True`` the caller hands over the buffers of the
+``donate=False`` (keyword-only): with ``donate=True`` the caller hands over the tensors of the
 old ``state`` and of the incoming ``updates`` (JAX's ``donate_argnums``), and the kernels write
-the results into them in place instead of allocating new tensors; the caller must not read
-what it donated afterwards. :func:`apply_updates` takes ``donate=True`` for the parameters.
+the new state (and, where they can, the updates) into them in place instead of allocating new
+tensors; the caller must not read what it donated afterwards. :func:`apply_updates` takes
+``donate=True`` for the parameters.
 """
 
 from __future__ import annotations
