@@ -218,6 +218,27 @@ def test_global_tensors_on_one_process() -> None:
     assert all(isinstance(x, ps.GlobalTensor) for x in _gts(new))
 
 
+def test_state_loaded_from_its_metadata(tmp_path: Any) -> None:
+    """ps.load with like from ps.load_metadata gives NamedTuples back as dicts (and tuples as
+    they were): the transforms take them and take the next step as from the saved state."""
+    ps.init_mesh({"dp": 1})
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(0.1), optim.sgd(1.0, 0.5))
+    params = ps.shard(_tree(0), ps.P())
+    updates, state = tx.update(ps.shard(_tree(1), ps.P()), tx.init(params), params)
+    ps.save(str(tmp_path / "ckpt"), {"opt": state})
+    back = ps.load(str(tmp_path / "ckpt"), ps.load_metadata(str(tmp_path / "ckpt")))["opt"]
+    assert isinstance(back[1], dict) and back[1]["count"] == 1
+    grads = ps.shard(_tree(2), ps.P())
+    want, want_state = tx.update(grads, state, params)
+    got, got_state = tx.update(grads, back, params)
+    assert isinstance(got_state[1], optim.ScaleByAdamState) and got_state[1].count == 2
+    got_leaves, want_leaves = _leaves(ps.gather((got, got_state))), _leaves(ps.gather(want))
+    want_leaves += _leaves(ps.gather(want_state))
+    assert len(got_leaves) == len(want_leaves) == 3 * 5 + 5  # updates, mu, nu, trace; 5 leaves
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        assert torch.equal(a, b)
+
+
 def _gt(x: Any) -> bool:
     return isinstance(x, ps.GlobalTensor)
 

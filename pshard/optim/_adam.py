@@ -26,7 +26,7 @@ import torch
 
 from .._core.tree import describe
 from . import _kernels as kernels
-from ._base import GradientTransformation, Schedule, check_number, check_rate, check_state, rate_at
+from ._base import GradientTransformation, Schedule, as_state, check_number, check_rate, rate_at
 from ._leaves import Flat, cast, check_like, flatten, groups, prefix_flat
 
 __all__ = ["ScaleByAdamState", "adam", "adamw"]
@@ -123,7 +123,7 @@ def _scale_by_adam(
     def update(
         updates: Any, state: Any, params: Any = None, *, donate: bool = False
     ) -> tuple[Any, ScaleByAdamState]:
-        check_state(state, ScaleByAdamState, fn)
+        state = as_state(state, ScaleByAdamState, fn)
         count = state.count
         m = flatten(state.mu, fn, "state.mu")
         v = flatten(state.nu, fn, "state.nu")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -31,7 +31,7 @@ __all__ = [
     "chain",
     "check_number",
     "check_rate",
-    "check_state",
+    "as_state",
     "rate_at",
     "run_update",
 ]
@@ -60,13 +60,22 @@ def check_number(value: Any, fn: str, arg: str) -> float:
     return float(value)
 
 
-def check_state(state: Any, cls: type, fn: str) -> None:
-    """A ``TypeError`` naming ``fn`` unless ``state`` is a ``cls`` (the transform's state)."""
-    if not isinstance(state, cls):
-        raise TypeError(
-            f"{fn}: state is {describe(state)}, not {article(cls.__name__)}; pass the state "
-            f"init (or the last update, or ps.load) returned"
-        )
+def as_state(state: Any, cls: Any, fn: str) -> Any:
+    """``state`` as the transform's state type ``cls`` (a NamedTuple): itself, or rebuilt from
+    a mapping of its fields (what ``ps.load`` gives back when ``like`` came from
+    ``ps.load_metadata``, which writes NamedTuples as dicts).
+
+    Raises:
+        TypeError: anything else, naming ``fn``.
+    """
+    if isinstance(state, cls):
+        return state
+    if isinstance(state, Mapping) and set(state) == set(cls._fields):
+        return cls(**state)
+    raise TypeError(
+        f"{fn}: state is {describe(state)}, not {article(cls.__name__)}; pass the state init "
+        f"(or the last update, or ps.load) returned"
+    )
 
 
 def check_rate(learning_rate: Any, fn: str) -> None:
@@ -153,6 +162,8 @@ def chain(*transforms: Any) -> GradientTransformation:
     def update(
         updates: Any, state: Any, params: Any = None, *, donate: bool = False
     ) -> tuple[Any, tuple[Any, ...]]:
+        if isinstance(state, list):  # ps.load_metadata writes tuples as lists
+            state = tuple(state)
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain: the state is {describe(state)} but the chain has {len(transforms)} "

@@ -17,7 +17,7 @@ import torch
 
 from .._core.tree import describe
 from . import _kernels as kernels
-from ._base import GradientTransformation, Schedule, check_number, check_rate, check_state, rate_at
+from ._base import GradientTransformation, Schedule, as_state, check_number, check_rate, rate_at
 from ._leaves import cast, check_like, flatten, groups
 
 __all__ = ["SgdState", "sgd"]
@@ -80,7 +80,7 @@ def sgd(
     def update(
         updates: Any, state: Any, params: Any = None, *, donate: bool = False
     ) -> tuple[Any, SgdState]:
-        check_state(state, SgdState, fn)
+        state = as_state(state, SgdState, fn)
         lr = rate_at(learning_rate, state.count, fn)
         g = flatten(updates, fn, "grads")
         out: list[torch.Tensor] = list(g.blocks)
