@@ -240,7 +240,7 @@ def _covered(ops: list[_Op], shape: tuple[int, ...]) -> bool:
     return True
 
 
-def record(module: nn.Module) -> dict[str, tuple[list[_Op], torch.dtype, tuple[int, ...]]]:
+def _record_writes(module: nn.Module) -> dict[str, tuple[list[_Op], torch.dtype, tuple[int, ...]]]:
     """Run the module's initialiser on stand-ins: per parameter (first name of each, as
     ``named_parameters()``), the writes that initialise it, its dtype and shape.
 
@@ -370,7 +370,7 @@ def _draw_tile(ops: list[_Op], box: Box, buffer: torch.Tensor, seed: int) -> tor
     return tile
 
 
-def draw_block(
+def _draw_block(
     name: str,
     ops: list[_Op],
     dtype: torch.dtype,
@@ -478,7 +478,7 @@ def init_sharded(
         mesh = mesh_for(_FN)
     elif not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{_FN}: mesh must be a DeviceMesh, got {describe(mesh)}")
-    recipes = record(module)
+    recipes = _record_writes(module)
     leaves, treedef = tree_flatten({name: name for name in recipes})
     flat = broadcast_prefix_flat(specs, treedef, leaves, name="specs", fn_name=_FN)
     placed = dict(zip(leaves, flat, strict=True))
@@ -492,6 +492,6 @@ def init_sharded(
         ops, dtype, shape = recipes[name]
         spec = global_spec(placed[name], len(shape), mesh, _FN, f"specs[{name!r}]")
         meta = GlobalMeta(spec, key, shape, mesh)
-        block = draw_block(name, ops, dtype, shape, block_runs(meta, coord), seed, device)
+        block = _draw_block(name, ops, dtype, shape, block_runs(meta, coord), seed, device)
         out[name] = GlobalTensor(block, meta)
     return out
