@@ -22,6 +22,9 @@ attention again for the duration of that pass (:meth:`TransformersAdapter.use_at
 through the call's backward scope, see :mod:`pshard.sequence._context`) and restores the model's
 own when the pass ends.
 
+**Initialisation** (:func:`pshard.init_sharded`): the model's own weight initialisation is
+registered as the initialiser of Hugging Face models.
+
 **Conventions the adapter owns** (:meth:`TransformersAdapter.prepare`, applied by the hooks to
 the whole call before the split): a KV cache, ``use_cache=True`` and
 ``output_attentions`` are refused; ``labels`` are shifted over the whole sequence into
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._state.init import register_initializer
 from ..sequence._lm import (
     ATTENTION_MASK,
     IGNORE_INDEX,
@@ -255,4 +259,29 @@ class TransformersAdapter:
         return output
 
 
+def _initializer(model: nn.Module) -> Callable[[], None] | None:
+    """For :func:`pshard.init_sharded`: a Hugging Face model's own weight initialisation
+    (``initialize_weights``: its ``_init_weights`` on every module, children first, as
+    ``from_config`` runs it), with the modules' "already initialised" flags cleared for the run
+    and put back after it."""
+    initialize = getattr(model, "initialize_weights", None)
+    if not (TransformersAdapter().matches(model) and callable(initialize)):
+        return None
+
+    def run() -> None:
+        modules = list(model.modules())
+        flags = {id(m): m.__dict__.pop("_is_hf_initialized") for m in modules
+                 if "_is_hf_initialized" in m.__dict__}  # fmt: skip
+        try:
+            initialize()
+        finally:
+            for m in modules:
+                m.__dict__.pop("_is_hf_initialized", None)
+                if id(m) in flags:
+                    m.__dict__["_is_hf_initialized"] = flags[id(m)]
+
+    return run
+
+
 register_adapter(TransformersAdapter())
+register_initializer("transformers", _initializer)
