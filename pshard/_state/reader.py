@@ -10,23 +10,36 @@ with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import pickle
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from .._compat import dcp_metadata_classes
+from .opened import OpenedCheckpoint
 
-__all__ = ["DCP_METADATA", "CheckpointReader", "read_dcp_metadata"]
+__all__ = [
+    "DCP_METADATA",
+    "CheckpointReader",
+    "checksum",
+    "parse_dcp_metadata",
+    "read_dcp_metadata",
+]
 
 #: The name of DCP's metadata file in a checkpoint directory.
 DCP_METADATA = ".metadata"
+_SHOWN = 10  # keys named in an error
 
 _ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
     {
@@ -60,26 +73,191 @@ def read_dcp_metadata(directory: str | os.PathLike[str]) -> Metadata:
         FileNotFoundError: ``directory`` holds no ``.metadata``.
         pickle.UnpicklingError: the file names a class that is not DCP metadata.
     """
-    with open(Path(directory) / DCP_METADATA, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
+    file = Path(directory) / DCP_METADATA
+    return parse_dcp_metadata(file.read_bytes(), str(file))
+
+
+def parse_dcp_metadata(data: bytes, source: str) -> Metadata:
+    """DCP's ``Metadata`` from the bytes of a ``.metadata`` file (the restricted unpickler);
+    ``source`` names the file in errors.
+
+    Raises:
+        pickle.UnpicklingError: not DCP's metadata (or a class that is not DCP metadata).
+    """
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception as e:  # a damaged pickle: EOFError, ValueError, ...
         raise pickle.UnpicklingError(
-            f"{Path(directory) / DCP_METADATA} holds {type(metadata).__name__}, not DCP Metadata"
-        )
+            f"{source}: not DCP metadata ({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{source} holds {type(metadata).__name__}, not DCP Metadata")
     return metadata
 
 
+def checksum(data: bytes | memoryview) -> int:
+    """The CRC-32 of ``data`` (``zlib.crc32``), the checksum of a saved chunk."""
+    return zlib.crc32(data)
+
+
 class CheckpointReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata`."""
+    """DCP's ``FileSystemReader`` reading through an :class:`OpenedCheckpoint` and checking
+    every chunk it reads: its bytes are all there (a truncated file is an error naming the
+    file, the key and the checkpoint) and, with ``sums`` (from the manifest: ``(key, chunk
+    offsets) -> CRC-32``), their checksum is the one recorded at the save. ``where`` names the
+    checkpoint (the user's path) and ``fn`` the caller in errors.
+    """
+
+    def __init__(
+        self,
+        opened: OpenedCheckpoint,
+        sums: Mapping[tuple[str, tuple[int, ...]], int] | None,
+        where: str,
+        fn: str,
+    ) -> None:
+        super().__init__(opened.path)
+        self._opened = opened
+        self._sums = sums
+        self._where = where
+        self._fn = fn
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise FileNotFoundError(
                 f"{self.path}: pshard reads checkpoints with one global {DCP_METADATA}"
             )
-        metadata = read_dcp_metadata(self.path)
+        metadata = parse_dcp_metadata(self._opened.read_bytes(DCP_METADATA), self._where)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def open_files(self, plan: LoadPlan) -> None:
+        """Open every data file ``plan`` reads (each stays readable if a save replaces the
+        checkpoint meanwhile).
+
+        Raises:
+            Replaced: a file is gone because the checkpoint was replaced.
+            FileNotFoundError: a file is missing (named, with the keys stored in it).
+        """
+        for name in sorted({self.storage_data[r.storage_index].relative_path for r in plan.items}):
+            try:
+                self._opened.open_file(name)
+            except FileNotFoundError:
+                keys = sorted(
+                    {k.fqn for k, v in self.storage_data.items() if v.relative_path == name}
+                )
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"{self._fn}: the checkpoint at {self._where!r} is damaged: its file "
+                    f"{name!r}, which holds {_keys_text(keys)}, is missing; restore it or load "
+                    f"another checkpoint",
+                ) from None
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read ``plan``'s items, checked (see the class docstring), in file order."""
+        self.open_files(plan)
+        items = sorted(
+            plan.items,
+            key=lambda r: (
+                self.storage_data[r.storage_index].relative_path,
+                self.storage_data[r.storage_index].offset,
+            ),
+        )
+        for req in items:
+            info = self.storage_data[req.storage_index]
+            stream: IO[bytes] = io.BytesIO(self._chunk(req.storage_index, info))
+            if info.transform_descriptors:
+                stream = self.transforms.transform_load_stream(
+                    req, info.transform_descriptors, stream
+                )
+                if not stream.seekable():
+                    stream = io.BytesIO(stream.read())
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(stream.read()))
+                continue
+            try:
+                saved = torch.load(stream, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ValueError(
+                    self._damaged(req.storage_index, info, f"{type(e).__name__}: {e}")
+                ) from None
+            if not isinstance(saved, torch.Tensor):
+                raise ValueError(
+                    self._damaged(req.storage_index, info, f"it holds {type(saved).__name__}")
+                )
+            if saved.dim() != len(req.lengths):
+                raise ValueError(
+                    self._damaged(
+                        req.storage_index, info, f"it holds a tensor of {saved.dim()} dims"
+                    )
+                )
+            for dim, (start, length) in enumerate(
+                zip(req.storage_offsets, req.lengths, strict=True)
+            ):
+                if length < saved.size(dim):
+                    saved = saved.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != saved.size():
+                raise ValueError(
+                    self._damaged(
+                        req.storage_index,
+                        info,
+                        f"it holds a block of shape {tuple(saved.shape)} where DCP's metadata "
+                        f"plans {tuple(target.shape)}",
+                    )
+                )
+            target.copy_(saved)
+            planner.commit_tensor(req, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _chunk(self, index: MetadataIndex, info: Any) -> bytes:
+        """The bytes DCP stored for ``index``: all of them, with the recorded checksum."""
+        name, start, length = info.relative_path, int(info.offset), int(info.length)
+        data = self._opened.pread(name, start, length)
+        if len(data) < length:
+            size = self._opened.size(name)
+            raise ValueError(
+                self._damaged(
+                    index,
+                    info,
+                    f"the file has {size} bytes, so it is truncated",
+                )
+            )
+        if self._sums is not None:
+            want = self._sums.get((index.fqn, tuple(int(i) for i in index.offset or ())))
+            if want is None:
+                raise ValueError(
+                    self._damaged(index, info, "the manifest records no checksum for it")
+                )
+            got = checksum(data)
+            if got != want:
+                raise ValueError(
+                    self._damaged(
+                        index,
+                        info,
+                        f"its checksum is {got:08x} where the manifest records {want:08x}, so "
+                        f"the bytes changed after the save",
+                    )
+                )
+        return data
+
+    def _damaged(self, index: MetadataIndex, info: Any, why: str) -> str:
+        start, length = int(info.offset), int(info.length)
+        return (
+            f"{self._fn}: the checkpoint at {self._where!r} is damaged: key {index.fqn!r} "
+            f"(its chunk at offsets {tuple(int(i) for i in index.offset or ())}) is stored in file "
+            f"{info.relative_path!r} at bytes {start}..{start + length}, but {why}; restore the "
+            f"file or load another checkpoint"
+        )
+
+
+def _keys_text(keys: list[str]) -> str:
+    shown = ", ".join(map(repr, keys[:_SHOWN]))
+    more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+    return f"key {shown}" if len(keys) == 1 else f"keys {shown}{more}"

@@ -35,7 +35,7 @@ from .._runtime.debug import debug_enabled
 from .._shard_map.global_ops import reshard, to_dtensor
 from .atomic import SaveLock, aside_path, check_target, new_token, remove_stale, switch
 from .comm import Comm, GroupComm, LocalComm, agree, default_comm
-from .manifest import MANIFEST, LeafRecord, Manifest, encode_structure, key_path
+from .manifest import MANIFEST, ChunkSum, LeafRecord, Manifest, encode_structure, key_path, save_id
 from .records import (
     Proposal,
     check_replicas,
@@ -186,8 +186,9 @@ def _prepare(
             for r in records
         )
         structure = json.loads(proposals[0].structure)
-        manifest.append(Manifest(comm.size, structure, leaves_out))
-        return [new_token()] * comm.size
+        token = new_token()
+        manifest.append(Manifest(comm.size, structure, leaves_out, save_id(token)))
+        return [token] * comm.size
 
     token: str = agree(comm, fn, propose, decide)
     if debug:  # replicated blocks equal where they are held: collectives, once all ranks agree
@@ -216,8 +217,8 @@ def _prepare(
 
     agree(comm, fn, lay_out, lambda done: [None] * comm.size)
 
-    def commit() -> None:
-        text = manifest[0].to_json()
+    def commit(sums: list[ChunkSum]) -> None:
+        text = dataclasses.replace(manifest[0], sums=tuple(sums)).to_json()
         with open(aside / MANIFEST, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -225,6 +226,6 @@ def _prepare(
         switch(aside, target, fn)
 
     def job(job_comm: Comm) -> None:
-        write_checkpoint(plan, data, aside, target, job_comm, commit)
+        write_checkpoint(plan, data, aside, target, save_id(token), job_comm, commit)
 
     return job
