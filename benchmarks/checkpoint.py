@@ -10,7 +10,10 @@ step count and the RNG state. On 4 gloo ranks (one ``ps.spawn``), median of ``--
   previous checkpoint (the switch deletes it);
 - ``async``: the time ``ps.save(..., async_save=True)`` takes to return (the copy of the blocks
   to CPU memory) and to finish;
-- ``ps.load`` / ``dcp.load``: the same layout back (into new blocks / into DTensors in place).
+- ``ps.load`` / ``dcp.load``: the same layout back (into new blocks / into DTensors in place);
+  ``unverified``: ``ps.load(..., verify=False)``, without the chunks' checksums; their cost is
+  the difference (the files are in the page cache: every load reads them again), beside the
+  time ``zlib.crc32`` takes over one rank's file.
 
 Then on 2 ranks, the checkpoint read as ``P("dp")`` (each rank's rows) and as ``P(None, "dp")``
 (each rank's columns cross every saved row block): the bytes of the saved chunks each rank's
@@ -26,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +103,10 @@ def save_load(root: str, width: int, layers: int, reps: int) -> dict[str, float]
         totals.append(time.perf_counter() - start)
     out["async call"], out["async done"] = statistics.median(calls), statistics.median(totals)
     out["ps.load"] = _timed(lambda rep: load(f"{root}/ps0", state), reps)
+    out["unverified"] = _timed(lambda rep: load(f"{root}/ps0", state, verify=False), reps)
+    out["ps.load again"] = _timed(lambda rep: load(f"{root}/ps0", state), reps)
+    data = Path(f"{root}/ps0/__{rank}_0.distcp").read_bytes()
+    out["crc32"] = _timed(lambda rep: zlib.crc32(data), reps)
     out["dcp.load"] = _timed(lambda rep: dcp.load(dtensors, checkpoint_id=f"{root}/dcp0"), reps)
     return out
 
@@ -161,8 +169,15 @@ def main() -> None:
         rows = ps.spawn(save_load, root, args.width, args.layers, args.reps, nprocs=4)
         print(f"4 ranks, P('dp'); seconds (median of {args.reps}), slowest rank:")
         keys = ("ps.save", "dcp.save", "ps.save over", "async call", "async done")
-        for key in (*keys, "ps.load", "dcp.load"):
+        for key in (*keys, "ps.load", "unverified", "dcp.load"):
             print(f"  {key:<12} {max(r[key] for r in rows):8.3f}")
+        verified = min(max(r[k] for r in rows) for k in ("ps.load", "ps.load again"))
+        checks = verified - max(r["unverified"] for r in rows)
+        crc = max(r["crc32"] for r in rows)
+        print(
+            f"  checksums: {checks:.3f} s of a {verified:.3f} s load ({checks / verified:.0%}); "
+            f"the CRC-32 of a rank's file alone {crc:.3f} s ({crc / verified:.0%})"
+        )
         written = [r["bytes"] / 2**20 for r in rows]
         print(f"  written per rank: {', '.join(f'{b:.1f}' for b in written)} MiB")
         plans = ps.spawn(read_plan, root, args.width, args.layers, nprocs=2)

@@ -10,12 +10,14 @@ with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import io
 import os
 import pickle
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
 from typing import IO, Any
@@ -23,10 +25,11 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from .._compat import dcp_metadata_classes
+from .._core.tree import describe
 from .opened import OpenedCheckpoint
 
 __all__ = [
@@ -158,7 +161,9 @@ class CheckpointReader(FileSystemReader):
                 ) from None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read ``plan``'s items, checked (see the class docstring), in file order."""
+        """Read ``plan``'s items, checked (see the class docstring), in file order. The
+        checksums are taken in a second thread while this one deserialises (``zlib.crc32``
+        releases the GIL), and compared before this returns."""
         self.open_files(plan)
         items = sorted(
             plan.items,
@@ -167,85 +172,91 @@ class CheckpointReader(FileSystemReader):
                 self.storage_data[r.storage_index].offset,
             ),
         )
-        for req in items:
-            info = self.storage_data[req.storage_index]
-            stream: IO[bytes] = io.BytesIO(self._chunk(req.storage_index, info))
-            if info.transform_descriptors:
-                stream = self.transforms.transform_load_stream(
-                    req, info.transform_descriptors, stream
-                )
-                if not stream.seekable():
-                    stream = io.BytesIO(stream.read())
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(stream.read()))
-                continue
-            try:
-                saved = torch.load(stream, map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise ValueError(
-                    self._damaged(req.storage_index, info, f"{type(e).__name__}: {e}")
-                ) from None
-            if not isinstance(saved, torch.Tensor):
-                raise ValueError(
-                    self._damaged(req.storage_index, info, f"it holds {type(saved).__name__}")
-                )
-            if saved.dim() != len(req.lengths):
-                raise ValueError(
-                    self._damaged(
-                        req.storage_index, info, f"it holds a tensor of {saved.dim()} dims"
-                    )
-                )
-            for dim, (start, length) in enumerate(
-                zip(req.storage_offsets, req.lengths, strict=True)
-            ):
-                if length < saved.size(dim):
-                    saved = saved.narrow(dim, start, length)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != saved.size():
-                raise ValueError(
-                    self._damaged(
-                        req.storage_index,
-                        info,
-                        f"it holds a block of shape {tuple(saved.shape)} where DCP's metadata "
-                        f"plans {tuple(target.shape)}",
-                    )
-                )
-            target.copy_(saved)
-            planner.commit_tensor(req, target)
+        if self._sums is None or len(items) < 2:
+            self._read_items(items, planner, None)
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="pshard-checksum") as pool:
+                self._read_items(items, planner, pool)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
+    def _read_items(
+        self, items: list[ReadItem], planner: LoadPlanner, pool: ThreadPoolExecutor | None
+    ) -> None:
+        checks: list[concurrent.futures.Future[None]] = []
+        for req in items:
+            index, info = req.storage_index, self.storage_data[req.storage_index]
+            data = self._chunk(index, info)
+            if pool is not None:
+                checks.append(pool.submit(self._verify, index, info, data))
+            elif self._sums is not None:
+                self._verify(index, info, data)
+            self._read_item(req, info, data, planner)
+        for check in checks:
+            check.result()
+
+    def _read_item(self, req: ReadItem, info: Any, data: bytes, planner: LoadPlanner) -> None:
+        index = req.storage_index
+        stream: IO[bytes] = io.BytesIO(data)
+        if info.transform_descriptors:
+            stream = self.transforms.transform_load_stream(req, info.transform_descriptors, stream)
+            if not stream.seekable():
+                stream = io.BytesIO(stream.read())
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(stream.read()))
+            return
+        try:
+            saved = torch.load(stream, map_location="cpu", weights_only=True)
+        except Exception as e:
+            if self._sums is not None:
+                self._verify(index, info, data)  # a changed byte says so first
+            raise ValueError(self._damaged(index, info, f"{type(e).__name__}: {e}")) from None
+        if not isinstance(saved, torch.Tensor) or saved.dim() != len(req.lengths):
+            raise ValueError(self._damaged(index, info, f"it holds {describe(saved)}"))
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            if length < saved.size(dim):
+                saved = saved.narrow(dim, start, length)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != saved.size():
+            raise ValueError(
+                self._damaged(
+                    index,
+                    info,
+                    f"it holds a block of shape {tuple(saved.shape)} where DCP's metadata plans "
+                    f"{tuple(target.shape)}",
+                )
+            )
+        target.copy_(saved)
+        planner.commit_tensor(req, target)
+
     def _chunk(self, index: MetadataIndex, info: Any) -> bytes:
-        """The bytes DCP stored for ``index``: all of them, with the recorded checksum."""
+        """The bytes DCP stored for ``index``, all of them."""
         name, start, length = info.relative_path, int(info.offset), int(info.length)
         data = self._opened.pread(name, start, length)
         if len(data) < length:
             size = self._opened.size(name)
             raise ValueError(
+                self._damaged(index, info, f"the file has {size} bytes, so it is truncated")
+            )
+        return data
+
+    def _verify(self, index: MetadataIndex, info: Any, data: bytes) -> None:
+        """Raise unless ``data`` has the checksum the manifest records for ``index``."""
+        assert self._sums is not None
+        want = self._sums.get((index.fqn, tuple(int(i) for i in index.offset or ())))
+        if want is None:
+            raise ValueError(self._damaged(index, info, "the manifest records no checksum for it"))
+        got = checksum(data)
+        if got != want:
+            raise ValueError(
                 self._damaged(
                     index,
                     info,
-                    f"the file has {size} bytes, so it is truncated",
+                    f"its checksum is {got:08x} where the manifest records {want:08x}, so the "
+                    f"bytes changed after the save",
                 )
             )
-        if self._sums is not None:
-            want = self._sums.get((index.fqn, tuple(int(i) for i in index.offset or ())))
-            if want is None:
-                raise ValueError(
-                    self._damaged(index, info, "the manifest records no checksum for it")
-                )
-            got = checksum(data)
-            if got != want:
-                raise ValueError(
-                    self._damaged(
-                        index,
-                        info,
-                        f"its checksum is {got:08x} where the manifest records {want:08x}, so "
-                        f"the bytes changed after the save",
-                    )
-                )
-        return data
 
     def _damaged(self, index: MetadataIndex, info: Any, why: str) -> str:
         start, length = int(info.offset), int(info.length)
