@@ -2,12 +2,13 @@
 
 Every rank calls ``save`` with the same tree (its own blocks). The ranks first agree on the
 tree (its structure, each leaf's kind, global shape, dtype, layout and plain value: a mismatch
-is a ``ValueError`` on every rank, naming the key paths, before anything is written; in debug
-mode also the values of whole tensors and of replicated blocks); then
-each rank writes its blocks of every ``GlobalTensor`` through DCP (as the DTensor of
-``ps.to_dtensor``; DCP writes a block that several ranks hold, and a whole tensor, once), into
-a directory beside ``path``; rank 0 writes the manifest (``pshard.json``: structure, layouts,
-plain values, every rank's RNG states) and switches the new checkpoint in atomically
+is a ``ValueError`` on every rank, naming the key paths, before anything is written) and on
+the values several ranks hold copies of (a digest of each whole tensor and replicated block,
+compared where the copies are held, always); then each rank writes its blocks of every
+``GlobalTensor`` through DCP (as the DTensor of ``ps.to_dtensor``; DCP writes a block that
+several ranks hold, and a whole tensor, once), into a directory beside ``path``; rank 0 writes
+the manifest (``pshard.json``: structure, layouts, plain values, every rank's RNG states, every
+chunk's checksum) and switches the new checkpoint in atomically
 (:mod:`pshard._state.atomic`).
 
 ``async_save=True`` copies the blocks and tensors to CPU memory before it returns (later
@@ -31,16 +32,16 @@ import torch.distributed as dist
 
 from .._core.global_tensor import GlobalTensor
 from .._core.tree import describe, tree_flatten_with_path
-from .._runtime.debug import debug_enabled
 from .._shard_map.global_ops import reshard, to_dtensor
 from .atomic import SaveLock, aside_path, check_target, new_token, remove_stale, switch
 from .comm import Comm, GroupComm, LocalComm, agree, default_comm
 from .manifest import MANIFEST, ChunkSum, LeafRecord, Manifest, encode_structure, key_path, save_id
 from .records import (
     Proposal,
-    check_replicas,
+    check_copies,
     check_unique,
     compare,
+    copy_of,
     expressible,
     is_state_leaf,
     leaf_text,
@@ -90,10 +91,11 @@ def save(
     Raises:
         TypeError: a leaf a checkpoint cannot hold (the message names its key path).
         ValueError: two leaves with one DCP key, a GlobalTensor whose block does not fit its
-            spec and global shape, ranks passing different trees (each difference named; in
-            debug mode, :func:`pshard.debug`, also whole tensors' values and the blocks of a
-            replicated GlobalTensor on the ranks that hold copies), or ``path`` a file or a
-            directory holding something pshard and DCP do not write (each such entry named).
+            spec and global shape, ranks passing different trees (each difference named),
+            copies of a whole tensor or of a replicated GlobalTensor's block that differ
+            between the ranks holding them (the key path and the ranks named: per-rank state
+            is a GlobalTensor, ``ps.from_local``), or ``path`` a file or a directory holding
+            something pshard and DCP do not write (each such entry named).
         RuntimeError: another rank failed (nothing was switched).
 
     Example:
@@ -158,7 +160,6 @@ def _prepare(
     accessors, leaves, treedef = tree_flatten_with_path(
         tree, is_leaf=is_state_leaf, none_is_leaf=True
     )
-    debug = debug_enabled()
     records: list[LeafRecord] = []
     values: list[Any] = []
     manifest: list[Manifest] = []
@@ -172,12 +173,14 @@ def _prepare(
             values.append(value)
         check_unique(records, fn)
         structure = json.dumps(encode_structure(treedef, fn))
-        texts = tuple(leaf_text(r, v, debug) for r, v in zip(records, values, strict=True))
+        texts = tuple(leaf_text(r) for r in records)
         rng = tuple(v for r, v in zip(records, values, strict=True) if r.kind == "rng")
-        return Proposal(str(target), structure, texts, rng)
+        copies = tuple(copy_of(r, v, comm.size) for r, v in zip(records, values, strict=True))
+        return Proposal(str(target), structure, texts, rng, copies)
 
     def decide(proposals: list[Proposal]) -> list[str]:
         compare(proposals, fn)
+        check_copies(proposals, records, fn)
         check_target(target, fn)
         remove_stale(target)
         states = [iter(p.rng) for p in proposals]
@@ -191,8 +194,6 @@ def _prepare(
         return [token] * comm.size
 
     token: str = agree(comm, fn, propose, decide)
-    if debug:  # replicated blocks equal where they are held: collectives, once all ranks agree
-        agree(comm, fn, lambda: check_replicas(records, values, fn), lambda _: [None] * comm.size)
     aside = aside_path(target, token)
     plan: dict[str, Any] = {}  # fqn -> what DCP plans from: DTensors and tensors of meta blocks
     data: dict[str, torch.Tensor] = {}  # fqn -> this rank's block or the whole tensor
