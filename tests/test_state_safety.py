@@ -9,7 +9,10 @@ async save that nobody waits on.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 import threading
 import zlib
 from pathlib import Path
@@ -20,7 +23,7 @@ import torch
 
 import pshard._state.atomic as atomic
 import pshard._state.read as read_mod
-from pshard._state.load import load
+from pshard._state.load import load, load_metadata
 from pshard._state.manifest import MANIFEST
 from pshard._state.reader import CheckpointReader, read_dcp_metadata
 from pshard._state.save import save
@@ -196,3 +199,72 @@ def test_every_chunk_has_its_checksum_in_the_manifest(tmp_path: Path) -> None:
         want[(index.fqn, tuple(index.offset))] = f"{zlib.crc32(data):08x}"
     assert {(k, tuple(o)): c for k, o, c in manifest["chunks"]} == want
     assert manifest["save_id"] == md.storage_meta.save_id
+
+
+# --------------------------------------------------------------------------- what is missing
+
+
+def test_a_checkpoint_without_its_manifest_says_so(tmp_path: Path) -> None:
+    path = _ckpt(tmp_path)
+    save(path, _state(1))
+    (Path(path) / MANIFEST).unlink()
+    md = read_dcp_metadata(path)
+    want = re.escape(
+        f"the checkpoint at {path!r} is damaged: pshard wrote it (DCP's .metadata names save "
+        f"{md.storage_meta.save_id!r}) but its manifest pshard.json, which holds the tree's "
+        f"structure, layouts, plain values and checksums, is missing; restore it or load "
+        f"another checkpoint (torch.distributed.checkpoint.load still reads its tensors)"
+    )
+    with pytest.raises(FileNotFoundError, match="load: " + want):
+        load(path, _like())
+    with pytest.raises(FileNotFoundError, match="load_metadata: " + want):
+        load_metadata(path)
+
+
+def _save_as_nobody(path: str) -> str:
+    """``save(path, ...)``'s error in a process that cannot write ``path``'s parent (a child
+    that drops root's rights, which ignore permissions, when the tests run as root)."""
+
+    def attempt() -> str:
+        try:
+            save(path, _state(1))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "saved"
+
+    if os.geteuid() != 0:
+        return attempt()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no rights beyond a user's, then report and leave at once
+        os.close(read)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            text = attempt()
+        except BaseException as e:
+            text = f"child: {e!r}"
+        os.write(write, text.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        text = f.read().decode()
+    os.waitpid(pid, 0)
+    return text
+
+
+def test_a_read_only_parent_directory_is_named(tmp_path: Path) -> None:
+    parent = Path(tempfile.mkdtemp())  # not under tmp_path, which another user cannot enter
+    try:
+        parent.chmod(0o555)
+        path = str(parent / "ckpt")
+        assert _save_as_nobody(path) == (
+            f"PermissionError: [Errno 13] save: cannot write a checkpoint at {path!r}: this "
+            f"process may not create files in its directory {str(parent)!r} (a save writes "
+            f"the checkpoint beside the path, as '.ckpt.pshard-<id>', then renames it to the "
+            f"path); make that directory writable, or save elsewhere"
+        )
+        assert os.listdir(parent) == []
+    finally:
+        parent.chmod(0o755)
+        shutil.rmtree(parent)

@@ -38,7 +38,16 @@ from pathlib import Path
 from .manifest import FORMAT, MANIFEST
 from .reader import DCP_METADATA, read_dcp_metadata
 
-__all__ = ["SaveLock", "aside_path", "check_target", "new_token", "remove_stale", "switch"]
+__all__ = [
+    "SaveLock",
+    "aside_path",
+    "check_target",
+    "check_writable",
+    "new_token",
+    "remove_stale",
+    "switch",
+    "writable_error",
+]
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -132,6 +141,37 @@ def check_target(path: Path, fn: str) -> None:
         f"empty directory or a checkpoint it or DCP wrote: save into a fresh directory or a "
         f"subdirectory, or move them away"
     )
+
+
+def writable_error(path: Path, fn: str) -> PermissionError:
+    """The error of a save that may not create files beside ``path``."""
+    return PermissionError(
+        errno.EACCES,
+        f"{fn}: cannot write a checkpoint at {str(path)!r}: this process may not create files in "
+        f"its directory {str(path.parent)!r} (a save writes the checkpoint beside the path, as "
+        f"'.{path.name}.pshard-<id>', then renames it to the path); make that directory "
+        f"writable, or save elsewhere",
+    )
+
+
+def check_writable(path: Path, fn: str) -> None:
+    """Raise unless this process may create ``path``'s parent (if missing) and files in it.
+
+    Raises:
+        PermissionError: it may not (``path`` and the directory named).
+    """
+    directory = path.parent
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    if not os.access(directory, os.W_OK | os.X_OK):
+        if directory != path.parent:
+            raise PermissionError(
+                errno.EACCES,
+                f"{fn}: cannot write a checkpoint at {str(path)!r}: its directory "
+                f"{str(path.parent)!r} does not exist and this process may not create it in "
+                f"{str(directory)!r}; make that directory writable, or save elsewhere",
+            )
+        raise writable_error(path, fn)
 
 
 class SaveLock:

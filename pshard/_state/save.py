@@ -33,7 +33,15 @@ import torch.distributed as dist
 from .._core.global_tensor import GlobalTensor
 from .._core.tree import describe, tree_flatten_with_path
 from .._shard_map.global_ops import reshard, to_dtensor
-from .atomic import SaveLock, aside_path, check_target, new_token, remove_stale, switch
+from .atomic import (
+    SaveLock,
+    aside_path,
+    check_target,
+    check_writable,
+    new_token,
+    remove_stale,
+    switch,
+)
 from .comm import Comm, GroupComm, LocalComm, agree, default_comm
 from .manifest import MANIFEST, ChunkSum, LeafRecord, Manifest, encode_structure, key_path, save_id
 from .records import (
@@ -165,6 +173,7 @@ def _prepare(
     manifest: list[Manifest] = []
 
     def propose() -> Proposal:
+        check_writable(target, fn)
         if comm.rank == 0:
             locks.append(SaveLock(target.parent))
         for accessor, x in zip(accessors, leaves, strict=True):

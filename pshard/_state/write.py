@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .atomic import writable_error
 from .comm import Comm, agree
 from .manifest import ChunkSum
 from .reader import checksum
@@ -105,8 +106,11 @@ def write_checkpoint(
         planner.set_up_planner(
             state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator
         )
-        writer.set_up_storage_writer(coordinator, rank=comm.rank, use_collectives=True)
-        return writer.prepare_local_plan(planner.create_local_plan())
+        try:  # DCP's writer makes the aside directory
+            writer.set_up_storage_writer(coordinator, rank=comm.rank, use_collectives=True)
+            return writer.prepare_local_plan(planner.create_local_plan())
+        except PermissionError as e:  # one the process could not tell beforehand (ACLs, NFS)
+            raise writable_error(final, "save") from e
 
     def global_plan(plans: list[SavePlan]) -> list[SavePlan]:
         plans, md = planner.create_global_plan(plans)
