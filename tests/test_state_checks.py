@@ -7,6 +7,8 @@ are errors naming the key path and the ranks, always (debug mode off).
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +179,35 @@ def test_shard_and_from_local_compare_what_every_rank_passes(pool: Any) -> None:
         "from_local tree['w']: the ranks disagree on the global shape: (3, 2) on global ranks "
         "[0, 1], (4, 2) on global ranks [2, 3]; every rank passes the same global_shapes",
     ]
+
+
+# --------------------------------------------------------------------------- async, not waited
+
+
+def _no_wait_worker(path: str) -> int:
+    """An async save that the rank does not wait for: it returns, and ps.spawn tears the
+    process group down while the save still writes (its checksums are slowed down)."""
+    import pshard._state.write as write
+
+    chunk_sums = write.chunk_sums
+
+    def slow(*args: Any) -> Any:
+        time.sleep(1.0)
+        return chunk_sums(*args)
+
+    write.chunk_sums = slow
+    ps.init_mesh({"dp": 2})
+    save(path, {"w": ps.shard(torch.arange(6.0), P("dp")), "step": 3}, async_save=True)
+    return dist.get_rank()
+
+
+def test_an_async_save_nobody_waits_for_still_finishes(tmp_path: Path, capfd: Any) -> None:
+    """The save finishes without the process group (torn down once fn returned) and the
+    process waits for it; nothing is printed."""
+    path = str(tmp_path / "ckpt")
+    assert ps.spawn(_no_wait_worker, path, nprocs=2) == [0, 1]
+    err = capfd.readouterr().err
+    assert "Exception" not in err and "Traceback" not in err, err
+    back = load(path, {"w": torch.zeros(6), "step": 0})
+    assert back["step"] == 3 and torch.equal(back["w"], torch.arange(6.0))
+    assert os.listdir(tmp_path) == ["ckpt"]

@@ -45,6 +45,7 @@ __all__ = [
     "check_writable",
     "new_token",
     "remove_stale",
+    "store_path",
     "switch",
     "writable_error",
 ]
@@ -69,8 +70,13 @@ def aside_path(path: Path, token: str) -> Path:
     return path.parent / f".{path.name}.pshard-{token}"
 
 
+def store_path(aside: Path) -> Path:
+    """The file store of an async save's exchanges, beside its aside directory."""
+    return aside.with_name(f"{aside.name}-store")
+
+
 def _aside_pattern(path: Path) -> re.Pattern[str]:
-    return re.compile(rf"\.{re.escape(path.name)}\.pshard-[0-9a-f]{{32}}(-link|-probe[01])?")
+    return re.compile(rf"\.{re.escape(path.name)}\.pshard-[0-9a-f]{{32}}(-link|-probe[01]|-store)?")
 
 
 def _written_name(name: str) -> bool:

@@ -13,7 +13,9 @@ chunk's checksum) and switches the new checkpoint in atomically
 
 ``async_save=True`` copies the blocks and tensors to CPU memory before it returns (later
 in-place updates do not reach the checkpoint) and writes in a background thread, whose
-exchanges go through a gloo process group made for that save.
+exchanges go through a file store beside the checkpoint, not a process group: the save
+finishes also when a rank returns without waiting on its future and its process groups are
+torn down (the thread is not a daemon: the process waits for it at exit).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._core.global_tensor import GlobalTensor
 from .._core.tree import describe, tree_flatten_with_path
@@ -40,9 +41,10 @@ from .atomic import (
     check_writable,
     new_token,
     remove_stale,
+    store_path,
     switch,
 )
-from .comm import Comm, GroupComm, LocalComm, agree, default_comm
+from .comm import Comm, GroupComm, LocalComm, StoreComm, agree, default_comm
 from .manifest import MANIFEST, ChunkSum, LeafRecord, Manifest, encode_structure, key_path, save_id
 from .records import (
     Proposal,
@@ -123,12 +125,12 @@ def save(
     comm = default_comm()
     locks: list[SaveLock] = []  # rank 0's, from the first step to the switch
     try:
-        job = _prepare(target, tree, comm, fn, async_save, locks)
+        job, aside = _prepare(target, tree, comm, fn, async_save, locks)
         if not async_save:
             job(comm)
             return None
-        group = dist.new_group(backend="gloo") if isinstance(comm, GroupComm) else None
-        future = _in_background(job, group, locks[0] if locks else None)
+        store = store_path(aside) if isinstance(comm, GroupComm) else None
+        future = _in_background(job, store, comm.rank, comm.size, locks[0] if locks else None)
         locks.clear()  # the background thread releases it
         return future
     finally:
@@ -137,23 +139,29 @@ def save(
 
 
 def _in_background(
-    job: Callable[[Comm], None], group: dist.ProcessGroup | None, lock: SaveLock | None
+    job: Callable[[Comm], None], store: Path | None, rank: int, size: int, lock: SaveLock | None
 ) -> Future[None]:
+    """Run ``job`` in a thread that is not a daemon (the process waits for it at exit), its
+    exchanges through a file store at ``store`` (none: a process alone), not a process group:
+    the save finishes also when the caller returns without waiting and its process groups are
+    destroyed meanwhile."""
     future: Future[None] = Future()
     future.set_running_or_notify_cancel()
 
     def run() -> None:
+        comm: Comm | None = None
         try:
-            job(GroupComm(group) if group is not None else LocalComm())
+            comm = StoreComm(os.fspath(store), rank, size) if store is not None else LocalComm()
+            job(comm)
         except BaseException as e:
             future.set_exception(e)
         else:
             future.set_result(None)
         finally:
+            if isinstance(comm, StoreComm):
+                comm.close()
             if lock is not None:
                 lock.release()
-            if group is not None:
-                dist.destroy_process_group(group)
 
     threading.Thread(target=run, name="pshard-save", daemon=False).start()
     return future
@@ -161,7 +169,7 @@ def _in_background(
 
 def _prepare(
     target: Path, tree: Any, comm: Comm, fn: str, async_save: bool, locks: list[SaveLock]
-) -> Callable[[Comm], None]:
+) -> tuple[Callable[[Comm], None], Path]:
     """Agree with the other ranks on the tree (rank 0 takes the save lock), lay out what each
     rank writes (copies of the tensors for an async save) and check that every rank could;
     returns the write (run now, or in the background with a comm of its own)."""
@@ -238,4 +246,4 @@ def _prepare(
     def job(job_comm: Comm) -> None:
         write_checkpoint(plan, data, aside, target, save_id(token), job_comm, commit)
 
-    return job
+    return job, aside
