@@ -105,25 +105,14 @@ class OpenedCheckpoint:
         if name not in self._files:
             self._files[name] = self._open(name)
 
+    def fd(self, name: str) -> int:
+        """The descriptor of the data file ``name`` (opened first)."""
+        self.open_file(name)
+        return self._files[name]
+
     def size(self, name: str) -> int:
         """The size in bytes of the data file ``name`` (opened first)."""
-        self.open_file(name)
-        return os.fstat(self._files[name]).st_size
-
-    def pread(self, name: str, offset: int, length: int) -> bytes:
-        """Up to ``length`` bytes of the data file ``name`` from ``offset`` (fewer only where
-        the file ends first)."""
-        self.open_file(name)
-        fd = self._files[name]
-        parts: list[bytes] = []
-        done = 0
-        while done < length:
-            part = os.pread(fd, length - done, offset + done)
-            if not part:
-                break
-            parts.append(part)
-            done += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return os.fstat(self.fd(name)).st_size
 
     def _open(self, name: str) -> int:
         if os.sep in name or name in ("", ".", ".."):

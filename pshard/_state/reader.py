@@ -10,7 +10,6 @@ with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import io
 import os
@@ -35,7 +34,7 @@ from .opened import OpenedCheckpoint
 __all__ = [
     "DCP_METADATA",
     "CheckpointReader",
-    "checksum",
+    "file_checksum",
     "parse_dcp_metadata",
     "read_dcp_metadata",
 ]
@@ -100,9 +99,56 @@ def parse_dcp_metadata(data: bytes, source: str) -> Metadata:
     return metadata
 
 
-def checksum(data: bytes | memoryview) -> int:
-    """The CRC-32 of ``data`` (``zlib.crc32``), the checksum of a saved chunk."""
-    return zlib.crc32(data)
+_BUFFER = 1 << 20  # bytes read at a time where a chunk is read in pieces
+
+
+def file_checksum(fd: int, start: int, length: int) -> int | None:
+    """The CRC-32 (``zlib.crc32``) of the ``length`` bytes of the file ``fd`` from ``start``,
+    the checksum of a saved chunk (read in pieces of 1 MiB); ``None`` where the file ends
+    first."""
+    buffer = bytearray(min(_BUFFER, max(length, 1)))
+    view = memoryview(buffer)
+    crc, done = 0, 0
+    while done < length:
+        n = os.preadv(fd, [view[: min(len(buffer), length - done)]], start + done)
+        if n == 0:
+            return None
+        crc = zlib.crc32(view[:n], crc)
+        done += n
+    return crc
+
+
+class _FileView(io.RawIOBase):
+    """The bytes ``[start, start + length)`` of the file ``fd`` as a file of their own, read
+    with ``os.preadv`` straight into the caller's buffer (torch reads a tensor's bytes into its
+    storage through ``readinto``)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._length - self._pos))
+        if n == 0:
+            return 0
+        got = os.preadv(self._fd, [view[:n]], self._start + self._pos)
+        self._pos += got
+        return got
 
 
 class CheckpointReader(FileSystemReader):
@@ -161,9 +207,10 @@ class CheckpointReader(FileSystemReader):
                 ) from None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read ``plan``'s items, checked (see the class docstring), in file order. The
-        checksums are taken in a second thread while this one deserialises (``zlib.crc32``
-        releases the GIL), and compared before this returns."""
+        """Read ``plan``'s items, checked (see the class docstring), in file order: torch reads
+        each chunk from the file into its tensor's memory while a second thread reads the same
+        bytes for their checksum (``os.pread`` and ``zlib.crc32`` release the GIL); the
+        checksums are compared before this returns."""
         self.open_files(plan)
         items = sorted(
             plan.items,
@@ -172,33 +219,31 @@ class CheckpointReader(FileSystemReader):
                 self.storage_data[r.storage_index].offset,
             ),
         )
-        if self._sums is None or len(items) < 2:
-            self._read_items(items, planner, None)
+        for req in items:  # a truncated file is named before anything is read
+            self._check_length(req.storage_index, self.storage_data[req.storage_index])
+        if self._sums is None:
+            for req in items:
+                self._read_item(req, self.storage_data[req.storage_index], planner)
         else:
             with ThreadPoolExecutor(1, thread_name_prefix="pshard-checksum") as pool:
-                self._read_items(items, planner, pool)
+                checks = [
+                    pool.submit(self._verify, r.storage_index, self.storage_data[r.storage_index])
+                    for r in items
+                ]
+                for req in items:
+                    self._read_item(req, self.storage_data[req.storage_index], planner)
+                for check in checks:
+                    check.result()
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_items(
-        self, items: list[ReadItem], planner: LoadPlanner, pool: ThreadPoolExecutor | None
-    ) -> None:
-        checks: list[concurrent.futures.Future[None]] = []
-        for req in items:
-            index, info = req.storage_index, self.storage_data[req.storage_index]
-            data = self._chunk(index, info)
-            if pool is not None:
-                checks.append(pool.submit(self._verify, index, info, data))
-            elif self._sums is not None:
-                self._verify(index, info, data)
-            self._read_item(req, info, data, planner)
-        for check in checks:
-            check.result()
-
-    def _read_item(self, req: ReadItem, info: Any, data: bytes, planner: LoadPlanner) -> None:
+    def _read_item(self, req: ReadItem, info: Any, planner: LoadPlanner) -> None:
         index = req.storage_index
-        stream: IO[bytes] = io.BytesIO(data)
+        name, start, length = info.relative_path, int(info.offset), int(info.length)
+        stream: IO[bytes] = io.BufferedReader(
+            _FileView(self._opened.fd(name), start, length), _BUFFER
+        )
         if info.transform_descriptors:
             stream = self.transforms.transform_load_stream(req, info.transform_descriptors, stream)
             if not stream.seekable():
@@ -210,13 +255,13 @@ class CheckpointReader(FileSystemReader):
             saved = torch.load(stream, map_location="cpu", weights_only=True)
         except Exception as e:
             if self._sums is not None:
-                self._verify(index, info, data)  # a changed byte says so first
+                self._verify(index, info)  # a changed byte says so first
             raise ValueError(self._damaged(index, info, f"{type(e).__name__}: {e}")) from None
         if not isinstance(saved, torch.Tensor) or saved.dim() != len(req.lengths):
             raise ValueError(self._damaged(index, info, f"it holds {describe(saved)}"))
-        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-            if length < saved.size(dim):
-                saved = saved.narrow(dim, start, length)
+        for dim, (first, size) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            if size < saved.size(dim):
+                saved = saved.narrow(dim, first, size)
         target = planner.resolve_tensor(req).detach()
         if target.size() != saved.size():
             raise ValueError(
@@ -230,24 +275,24 @@ class CheckpointReader(FileSystemReader):
         target.copy_(saved)
         planner.commit_tensor(req, target)
 
-    def _chunk(self, index: MetadataIndex, info: Any) -> bytes:
-        """The bytes DCP stored for ``index``, all of them."""
-        name, start, length = info.relative_path, int(info.offset), int(info.length)
-        data = self._opened.pread(name, start, length)
-        if len(data) < length:
-            size = self._opened.size(name)
+    def _check_length(self, index: MetadataIndex, info: Any) -> None:
+        """Raise unless the file holds all the bytes DCP stored for ``index``."""
+        size = self._opened.size(info.relative_path)
+        if size < int(info.offset) + int(info.length):
             raise ValueError(
                 self._damaged(index, info, f"the file has {size} bytes, so it is truncated")
             )
-        return data
 
-    def _verify(self, index: MetadataIndex, info: Any, data: bytes) -> None:
-        """Raise unless ``data`` has the checksum the manifest records for ``index``."""
+    def _verify(self, index: MetadataIndex, info: Any) -> None:
+        """Raise unless the bytes stored for ``index`` have the checksum the manifest records."""
         assert self._sums is not None
         want = self._sums.get((index.fqn, tuple(int(i) for i in index.offset or ())))
         if want is None:
             raise ValueError(self._damaged(index, info, "the manifest records no checksum for it"))
-        got = checksum(data)
+        fd, start, length = self._opened.fd(info.relative_path), int(info.offset), int(info.length)
+        got = file_checksum(fd, start, length)
+        if got is None:
+            raise ValueError(self._damaged(index, info, "the file ends before it"))
         if got != want:
             raise ValueError(
                 self._damaged(

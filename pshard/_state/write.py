@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .atomic import writable_error
 from .comm import Comm, agree
 from .manifest import ChunkSum
-from .reader import checksum
+from .reader import file_checksum
 
 __all__ = ["chunk_sums", "write_checkpoint"]
 
@@ -69,13 +69,17 @@ def chunk_sums(directory: Path, results: list[WriteResult]) -> list[ChunkSum]:
     for r in results:
         by_file.setdefault(r.storage_data.relative_path, []).append(r)
     for name, items in sorted(by_file.items()):
-        with open(directory / name, "rb", buffering=0) as f:
-            for r in sorted(items, key=lambda r: int(r.storage_data.offset)):
+        fd = os.open(directory / name, os.O_RDONLY)
+        try:
+            for r in items:
                 info = r.storage_data
-                f.seek(int(info.offset))
-                data = f.read(int(info.length))
+                crc = file_checksum(fd, int(info.offset), int(info.length))
+                if crc is None:
+                    raise OSError(f"save: {str(directory / name)!r} is shorter than DCP wrote it")
                 offsets = tuple(int(i) for i in r.index.offset or ())
-                out.append((r.index.fqn, offsets, checksum(data)))
+                out.append((r.index.fqn, offsets, crc))
+        finally:
+            os.close(fd)
     return out
 
 
