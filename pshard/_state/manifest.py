@@ -4,7 +4,8 @@ DCP's files hold the tensors; beside them ``pshard.json`` (the *manifest*) holds
 not: the tree's structure (dicts, lists, tuples, ``None``; other containers as dicts of their
 fields), each leaf's key path, and per leaf either a tensor's global shape, dtype and layout
 (spec and mesh axes) or the value itself (ints, floats, strings, bools, ``None``, RNG states as
-base64 text). Nothing is pickled.
+base64 text), the save's id (which DCP's metadata names too) and the CRC-32 of every chunk DCP
+stored. Nothing is pickled.
 
 A leaf's DCP key (its *fqn*) is its key path joined by ``"."``, as DCP names the entries of a
 nested state dict: ``{"model": {"w": x}}`` -> ``"model.w"``, ``{"layers": [a, b]}`` ->

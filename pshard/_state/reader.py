@@ -5,7 +5,10 @@ DCP's ``.metadata`` file is a pickle of its ``Metadata`` dataclasses, and its
 :class:`CheckpointReader` is that reader with the metadata read by an unpickler that builds only
 DCP's metadata classes, torch's sizes, dtypes, layouts and memory formats, and paths; anything
 else in the file is refused (``pickle.UnpicklingError``). Tensor data is read as DCP reads it,
-with ``torch.load(weights_only=True)``.
+with ``torch.load(weights_only=True)``, through an
+:class:`~pshard._state.opened.OpenedCheckpoint` (files opened once, relative to one open
+directory), and checked: every chunk's bytes all there (a truncated file is named) and, with
+the manifest's checksums, their CRC-32 (:func:`file_checksum`) the one recorded at the save.
 """
 
 from __future__ import annotations
