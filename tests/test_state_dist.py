@@ -446,7 +446,7 @@ def _killed_worker(path: str) -> int:
     mesh = ps.init_mesh({"dp": 2})
     save(path, {"w": ps.shard(_whole(6, 3, seed=21), P("dp"), mesh=mesh), "step": 1})
     rank = dist.get_rank()
-    original = write._Writer.write_data
+    original = write.DCPWriter.write_data
 
     def dying(self: Any, plan: Any, planner: Any) -> Any:
         out = original(self, plan, planner)
@@ -456,11 +456,11 @@ def _killed_worker(path: str) -> int:
             os._exit(17)
         return out
 
-    write._Writer.write_data = dying  # type: ignore[method-assign]
+    write.DCPWriter.write_data = dying  # type: ignore[method-assign]
     try:
         save(path, {"w": ps.shard(_whole(6, 3, seed=22), P("dp"), mesh=mesh), "step": 2})
     finally:
-        write._Writer.write_data = original  # type: ignore[method-assign]
+        write.DCPWriter.write_data = original  # type: ignore[method-assign]
     return 1
 
 

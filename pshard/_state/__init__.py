@@ -7,8 +7,10 @@ as JSON beside DCP's files), ``opened`` (a checkpoint directory opened once), ``
 (DCP's metadata read without running an arbitrary pickle; every chunk read checked),
 ``atomic`` (writing aside and the one-step switch), ``comm`` (the ranks' exchanges during a
 save), ``records`` (the leaves of a tree to save and the ranks' agreement on them, copies
-included), ``write`` (DCP's save protocol), ``read`` (one whole checkpoint read while saves
-switch the path), ``save`` and ``load`` (the public functions). ``docs/checkpoints.md``
+included), ``hf`` (Hugging Face model directories: safetensors headers read by pshard,
+torch's ``HuggingFaceStorageReader`` and ``HuggingFaceStorageWriter``), ``write`` (DCP's save
+protocol), ``read`` (one whole checkpoint read while saves switch the path), ``save`` and
+``load`` (the public functions). ``docs/checkpoints.md``
 describes the whole.
 
 Imports :mod:`pshard._compat`, :mod:`pshard._core`, :mod:`pshard._runtime` and

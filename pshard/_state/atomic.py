@@ -35,6 +35,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from .hf import HF_INDEX, hf_written_name, stale_sharded
 from .manifest import FORMAT, MANIFEST
 from .reader import DCP_METADATA, read_dcp_metadata
 
@@ -80,8 +81,9 @@ def _aside_pattern(path: Path) -> re.Pattern[str]:
 
 
 def _written_name(name: str) -> bool:
-    """Whether pshard or DCP's writer names a file in a checkpoint directory ``name``."""
-    return name in _WRITTEN or _DCP_DATA.fullmatch(name) is not None
+    """Whether pshard or DCP's writer names a file in a checkpoint directory ``name`` (a DCP
+    checkpoint's, or a Hugging Face one's that pshard writes)."""
+    return name in _WRITTEN or _DCP_DATA.fullmatch(name) is not None or hf_written_name(name)
 
 
 def _is_dcp_metadata(file: Path) -> bool:
@@ -100,6 +102,14 @@ def _is_manifest(file: Path) -> bool:
     return isinstance(data, dict) and data.get("format") == FORMAT
 
 
+def _is_hf_index(file: Path) -> bool:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("weight_map"), dict)
+
+
 def _written(entry: Path) -> bool:
     """Whether ``entry`` of a directory is a file pshard or DCP writes (``.metadata`` that
     parses as DCP's metadata, ``pshard.json`` that is a manifest)."""
@@ -109,6 +119,8 @@ def _written(entry: Path) -> bool:
         return _is_dcp_metadata(entry)
     if entry.name == MANIFEST:
         return _is_manifest(entry)
+    if entry.name == HF_INDEX:
+        return _is_hf_index(entry)
     return True
 
 
@@ -135,12 +147,13 @@ def check_target(path: Path, fn: str) -> None:
     foreign = sorted((e for e in path.iterdir() if not _written(e)), key=lambda e: e.name)
     if not foreign:
         return
-    metadata = path / DCP_METADATA
-    head = (
-        "holds a checkpoint and"
-        if metadata not in foreign and metadata.exists()
-        else f"is a directory that holds no checkpoint (no {DCP_METADATA} DCP wrote) and"
-    )
+    metadata, index = path / DCP_METADATA, path / HF_INDEX
+    if metadata not in foreign and metadata.exists():
+        head = "holds a checkpoint and"
+    elif index not in foreign and index.exists():
+        head = "holds a Hugging Face checkpoint and"
+    else:
+        head = f"is a directory that holds no checkpoint (no {DCP_METADATA} DCP wrote) and"
     raise ValueError(
         f"{fn}: {str(path)!r} {head} entries pshard did not write: {_listing(foreign)}; a save "
         f"replaces the whole directory and would delete them, so pshard writes only over an "
@@ -225,6 +238,7 @@ def _remove(entry: Path) -> None:
     if entry.is_symlink() or not entry.is_dir():
         entry.unlink(missing_ok=True)
         return
+    stale_sharded(entry)  # a killed Hugging Face save's
     with contextlib.suppress(FileNotFoundError):
         for child in entry.iterdir():
             if _written_name(child.name) and child.is_file() and not child.is_symlink():

@@ -73,10 +73,15 @@ def load_metadata(path: str | os.PathLike[str]) -> Any:
     Containers come back as dicts (namedtuples, dataclasses and Mappings as dicts of their
     fields), lists and tuples. A checkpoint DCP wrote without pshard comes back as nested
     dicts of its entries (``SavedTensor`` with ``spec=None``; a pickled object as
-    :class:`SavedObject`). The tree is a valid ``like`` for :func:`load`.
+    :class:`SavedObject`). A Hugging Face model directory (``model.safetensors``, or the
+    files ``model.safetensors.index.json`` names) comes back as a flat dict keyed by
+    state-dict names (``"model.embed_tokens.weight"``), each a ``SavedTensor`` with
+    ``spec=None``. The tree is a valid ``like`` for :func:`load`.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
+        FileNotFoundError: no checkpoint at ``path``; a checkpoint pshard wrote without its
+            manifest ``pshard.json``.
+        ValueError: a damaged or inconsistent checkpoint (named).
 
     Example:
         >>> import tempfile, torch, pshard as ps
@@ -300,13 +305,16 @@ def load(
       its own RNG state; with another world size, the state every rank saved).
 
     Leaves match the checkpoint's entries by key (key paths joined by ``"."``, DCP's names), so
-    a checkpoint DCP wrote (an FSDP2 ``model.state_dict()``) reads into ``GlobalTensor`` s too.
+    a checkpoint DCP wrote (an FSDP2 ``model.state_dict()``) reads into ``GlobalTensor`` s too,
+    and so does a Hugging Face model directory (keys: state-dict names; read with torch's
+    ``HuggingFaceStorageReader``, its files checked as long as their headers say; no
+    checksums, which safetensors does not carry).
     Each rank reads only the saved chunks that overlap its blocks; no collective, except
     ``ps.reshard`` for a layout DTensor cannot express (uneven ``StridedShard``), read in its
     nearest expressible layout and then moved.
 
     Args:
-        path: a checkpoint directory.
+        path: a checkpoint directory, or a Hugging Face model directory.
         like: the tree to read into.
         partial: read only the keys of ``like`` (a checkpoint may hold more).
         verify: compare every chunk read with the checksum the save recorded (the bytes'

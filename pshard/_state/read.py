@@ -22,7 +22,7 @@ import errno
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .._runtime.wire import Comm, all_gather
+from .hf import HF_INDEX, HF_SINGLE, HFReader, is_hf, open_hf
 from .manifest import MANIFEST, SAVE_ID_PREFIX, LeafRecord, Manifest
 from .opened import OpenedCheckpoint, Replaced
 from .reader import DCP_METADATA, CheckpointReader, parse_dcp_metadata
@@ -44,14 +45,16 @@ _OK, _AGAIN, _FAILED = 0, 1, 2
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint as opened: where (the user's path, for messages), DCP's metadata, the
-    manifest if pshard wrote it, a record per key, and a digest of the save it came from."""
+    """A checkpoint as opened: where (the user's path, for messages), DCP's metadata (for a
+    Hugging Face model directory, pshard's reading of its safetensors headers), the manifest
+    if pshard wrote it, a record per key, and a digest of the save it came from."""
 
     where: str
     dcp: Metadata
     manifest: Manifest | None
     records: dict[str, LeafRecord]
     generation: str
+    format: Literal["dcp", "huggingface"] = "dcp"
 
 
 def _dcp_records(md: Metadata) -> dict[str, LeafRecord]:
@@ -76,6 +79,9 @@ def open_checkpoint(opened: OpenedCheckpoint, target: Path, fn: str) -> Checkpoi
     """
     where = str(target)
     has_manifest = opened.exists(MANIFEST)
+    if not opened.exists(DCP_METADATA) and not has_manifest and is_hf(opened):
+        md, records, generation = open_hf(opened, where, fn)
+        return Checkpoint(where, md, None, records, generation, "huggingface")
     if not opened.exists(DCP_METADATA):
         if opened.replaced():
             raise Replaced(DCP_METADATA)
@@ -87,7 +93,9 @@ def open_checkpoint(opened: OpenedCheckpoint, target: Path, fn: str) -> Checkpoi
                 f"it or load another checkpoint",
             )
         raise FileNotFoundError(
-            errno.ENOENT, f"{fn}: no checkpoint at {where!r} (no DCP {DCP_METADATA} file there)"
+            errno.ENOENT,
+            f"{fn}: no checkpoint at {where!r} (no DCP {DCP_METADATA} file there, nor a Hugging "
+            f"Face model's {HF_INDEX} or {HF_SINGLE})",
         )
     raw = opened.read_bytes(DCP_METADATA)
     md = parse_dcp_metadata(raw, f"{fn}: {str(target / DCP_METADATA)!r}")
@@ -247,11 +255,15 @@ def _raise_failure(
 
 def _plan(
     state_dict: dict[str, Any], ckpt: Checkpoint, opened: OpenedCheckpoint, verify: bool, fn: str
-) -> tuple[CheckpointReader, DefaultLoadPlanner, Any]:
+) -> tuple[CheckpointReader | HFReader, DefaultLoadPlanner, Any]:
     """DCP's load plan on this rank alone: read items for the chunks of each target (DTensor
     or tensor, fqn -> target) that the checkpoint's saved chunks overlap."""
     sums = ckpt.manifest.checksums() if verify and ckpt.manifest and ckpt.manifest.sums else None
-    reader = CheckpointReader(opened, sums, ckpt.where, fn)
+    reader: CheckpointReader | HFReader
+    if ckpt.format == "huggingface":
+        reader = HFReader(opened, ckpt.where, fn)
+    else:
+        reader = CheckpointReader(opened, sums, ckpt.where, fn)
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state_dict, ckpt.dcp, is_coordinator=True)
     reader.set_up_storage_reader(ckpt.dcp, True, rank=0, use_collectives=True)

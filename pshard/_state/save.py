@@ -27,9 +27,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 
 from .._core.global_tensor import GlobalTensor
 from .._core.tree import describe, tree_flatten_with_path
@@ -45,6 +46,7 @@ from .atomic import (
     switch,
 )
 from .comm import Comm, GroupComm, LocalComm, StoreComm, agree, default_comm
+from .hf import HFWriter, check_hf_leaf, file_indices, remove_sharded
 from .manifest import MANIFEST, ChunkSum, LeafRecord, Manifest, encode_structure, key_path, save_id
 from .records import (
     Proposal,
@@ -59,7 +61,7 @@ from .records import (
     record,
     target_path,
 )
-from .write import write_checkpoint
+from .write import DCPWriter, write_checkpoint
 
 __all__ = ["save"]
 
@@ -68,7 +70,11 @@ __all__ = ["save"]
 
 
 def save(
-    path: str | os.PathLike[str], tree: Any, *, async_save: bool = False
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    async_save: bool = False,
+    format: Literal["dcp", "huggingface"] = "dcp",
 ) -> Future[None] | None:
     """Save ``tree`` as a checkpoint at ``path`` (a directory), in
     ``torch.distributed.checkpoint``'s format. Every rank calls it, with the same tree.
@@ -84,6 +90,15 @@ def save(
     stops existing. DCP's own tools read it: ``dcp.load(state_dict, checkpoint_id=path)``, keys
     being the key paths joined by ``"."`` (``{"model": {"w": x}}`` -> ``"model.w"``).
 
+    ``format="huggingface"`` writes a model's weights as Hugging Face safetensors instead: a
+    tree of tensors only, keyed by state-dict names (a flat ``{"model.embed_tokens.weight":
+    ...}``, or nested dicts whose keys join to them), each rank writing its blocks and rank 0
+    consolidating them into ``model-0000i-of-0000N.safetensors`` (up to 5 GB each) and
+    ``model.safetensors.index.json`` (torch's ``HuggingFaceStorageWriter``), written aside and
+    switched in the same way. ``AutoModelForCausalLM.from_pretrained(path)`` loads it once
+    ``config.json`` is beside it (``model.config.save_pretrained(path)``); :func:`load` reads
+    it back sharded.
+
     Args:
         path: the checkpoint directory: it must not exist, be empty, or hold a checkpoint
             and nothing else (which it replaces; files pshard and DCP did not write there,
@@ -92,20 +107,26 @@ def save(
             and :class:`RngState`, with str (or int) keys.
         async_save: return at once with a ``concurrent.futures.Future`` while a background
             thread writes; what is saved is the tree at the call (its tensors are copied to
-            CPU memory first). Saves into one parent directory switch in call order.
+            CPU memory first). Saves into one parent directory switch in call order. The save
+            finishes also if the caller returns without waiting (the process waits for it at
+            exit; its exchanges need no process group).
+        format: ``"dcp"`` (pshard's checkpoint) or ``"huggingface"`` (safetensors of a
+            model's weights).
 
     Returns:
         ``None``, or with ``async_save`` a ``Future`` whose ``result()`` is ``None`` once the
         checkpoint is in place and raises what the save raised.
 
     Raises:
-        TypeError: a leaf a checkpoint cannot hold (the message names its key path).
+        TypeError: a leaf a checkpoint cannot hold (the message names its key path; with
+            ``format="huggingface"``, anything but a tensor of a dtype safetensors holds).
         ValueError: two leaves with one DCP key, a GlobalTensor whose block does not fit its
             spec and global shape, ranks passing different trees (each difference named),
             copies of a whole tensor or of a replicated GlobalTensor's block that differ
             between the ranks holding them (the key path and the ranks named: per-rank state
             is a GlobalTensor, ``ps.from_local``), or ``path`` a file or a directory holding
             something pshard and DCP do not write (each such entry named).
+        PermissionError: this process may not create files in ``path``'s directory.
         RuntimeError: another rank failed (nothing was switched).
 
     Example:
@@ -122,10 +143,15 @@ def save(
     target = target_path(path, fn)
     if not isinstance(async_save, bool):
         raise TypeError(f"{fn}: async_save must be a bool, got {describe(async_save)}")
+    if format not in ("dcp", "huggingface"):
+        raise ValueError(
+            f"{fn}: format must be 'dcp' (pshard's checkpoints) or 'huggingface' (a model's "
+            f"weights as safetensors that from_pretrained loads), got {format!r}"
+        )
     comm = default_comm()
     locks: list[SaveLock] = []  # rank 0's, from the first step to the switch
     try:
-        job, aside = _prepare(target, tree, comm, fn, async_save, locks)
+        job, aside = _prepare(target, tree, comm, fn, async_save, format, locks)
         if not async_save:
             job(comm)
             return None
@@ -168,7 +194,13 @@ def _in_background(
 
 
 def _prepare(
-    target: Path, tree: Any, comm: Comm, fn: str, async_save: bool, locks: list[SaveLock]
+    target: Path,
+    tree: Any,
+    comm: Comm,
+    fn: str,
+    async_save: bool,
+    format: str,
+    locks: list[SaveLock],
 ) -> tuple[Callable[[Comm], None], Path]:
     """Agree with the other ranks on the tree (rank 0 takes the save lock), lay out what each
     rank writes (copies of the tensors for an async save) and check that every rank could;
@@ -189,6 +221,9 @@ def _prepare(
             records.append(rec)
             values.append(value)
         check_unique(records, fn)
+        if format == "huggingface":
+            for r in records:
+                check_hf_leaf(r, fn)
         structure = json.dumps(encode_structure(treedef, fn))
         texts = tuple(leaf_text(r) for r in records)
         rng = tuple(v for r, v in zip(records, values, strict=True) if r.kind == "rng")
@@ -231,19 +266,30 @@ def _prepare(
                     continue
                 if async_save:
                     block = block.to("cpu", memory_format=torch.contiguous_format, copy=True)
+                elif format == "huggingface":  # safetensors writes contiguous tensors only
+                    block = block.contiguous()
                 data[rec.fqn] = block
 
     agree(comm, fn, lay_out, lambda done: [None] * comm.size)
 
     def commit(sums: list[ChunkSum]) -> None:
-        text = dataclasses.replace(manifest[0], sums=tuple(sums)).to_json()
-        with open(aside / MANIFEST, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        if format == "huggingface":
+            remove_sharded(aside)
+        else:
+            text = dataclasses.replace(manifest[0], sums=tuple(sums)).to_json()
+            with open(aside / MANIFEST, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
         switch(aside, target, fn)
 
     def job(job_comm: Comm) -> None:
-        write_checkpoint(plan, data, aside, target, save_id(token), job_comm, commit)
+        if format == "huggingface":
+            files = file_indices([r for r in records if r.kind in ("global", "tensor")])
+            writer: FileSystemWriter = HFWriter(aside, target, save_id(token), files)
+        else:
+            writer = DCPWriter(aside, target, save_id(token))
+        checksums = format == "dcp"
+        write_checkpoint(plan, data, writer, target, job_comm, commit, checksums)
 
     return job, aside

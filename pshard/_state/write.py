@@ -34,10 +34,10 @@ from .comm import Comm, agree
 from .manifest import ChunkSum
 from .reader import file_checksum
 
-__all__ = ["chunk_sums", "write_checkpoint"]
+__all__ = ["DCPWriter", "chunk_sums", "write_checkpoint"]
 
 
-class _Writer(FileSystemWriter):
+class DCPWriter(FileSystemWriter):
     """DCP's writer into the aside directory, naming the final path as the checkpoint id and
     ``save_id`` as the save's id."""
 
@@ -86,22 +86,23 @@ def chunk_sums(directory: Path, results: list[WriteResult]) -> list[ChunkSum]:
 def write_checkpoint(
     state_dict: dict[str, Any],
     data: Mapping[str, torch.Tensor],
-    aside: Path,
+    writer: FileSystemWriter,
     final: Path,
-    save_id: str,
     comm: Comm,
     commit: Callable[[list[ChunkSum]], None],
+    checksums: bool = True,
 ) -> None:
     """Write ``state_dict`` (fqn -> DTensor or tensor, for planning) with the data of ``data``
-    (fqn -> this rank's block or whole tensor) as a DCP checkpoint in ``aside`` whose metadata
-    names ``save_id``; then rank 0 runs ``commit`` with every chunk's checksum. Every rank
-    returns, or every rank raises.
+    (fqn -> this rank's block or whole tensor) through ``writer`` (a :class:`DCPWriter`, or
+    the Hugging Face one, into the save's aside directory); then rank 0 runs ``commit`` with
+    every chunk's checksum (none without ``checksums``). Every rank returns, or every rank
+    raises.
 
     Raises:
         BaseException: this rank's own failure.
         RuntimeError: another rank failed.
     """
-    writer = _Writer(aside, final, save_id)
+    aside = Path(writer.path)
     planner = _Planner(data)
     coordinator = comm.rank == 0
     metadata: list[Metadata] = []
@@ -125,7 +126,7 @@ def write_checkpoint(
 
     def write_data() -> tuple[list[WriteResult], list[ChunkSum]]:
         results: list[WriteResult] = writer.write_data(planner.finish_plan(plan), planner).wait()
-        return results, chunk_sums(aside, results)
+        return results, chunk_sums(aside, results) if checksums else []
 
     def finish(written: list[tuple[list[WriteResult], list[ChunkSum]]]) -> list[None]:
         writer.finish(metadata[0], [results for results, _ in written])
