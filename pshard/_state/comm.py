@@ -53,19 +53,11 @@ class GroupComm:
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self._rank = dist.get_rank(group)
-        self._size = dist.get_world_size(group)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
+        self.rank: int = dist.get_rank(group)
+        self.size: int = dist.get_world_size(group)
 
     def gather(self, obj: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self._size if self._rank == 0 else None
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
         dist.gather_object(obj, out, group=self.group, group_dst=0)
         return out
 
@@ -84,16 +76,8 @@ class StoreComm:
     def __init__(self, file: str, rank: int, size: int) -> None:
         self._store: dist.FileStore | None = dist.FileStore(file, size)
         self._store.set_timeout(default_pg_timeout)
-        self._rank, self._size = rank, size
+        self.rank, self.size = rank, size
         self._step = 0
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     def _store_open(self) -> dist.FileStore:
         if self._store is None:
@@ -102,19 +86,19 @@ class StoreComm:
 
     def gather(self, obj: Any) -> list[Any] | None:
         store, step = self._store_open(), self._step
-        _put(store, f"gather/{step}/{self._rank}", obj)
-        if self._rank != 0:
+        _put(store, f"gather/{step}/{self.rank}", obj)
+        if self.rank != 0:
             return None
-        return [pickle.loads(store.get(f"gather/{step}/{r}")) for r in range(self._size)]
+        return [pickle.loads(store.get(f"gather/{step}/{r}")) for r in range(self.size)]
 
     def scatter(self, objs: list[Any] | None) -> Any:
         store, step = self._store_open(), self._step
         self._step += 1
-        if self._rank == 0:
+        if self.rank == 0:
             assert objs is not None
             for r, obj in enumerate(objs):
                 _put(store, f"scatter/{step}/{r}", obj)
-        return pickle.loads(store.get(f"scatter/{step}/{self._rank}"))
+        return pickle.loads(store.get(f"scatter/{step}/{self.rank}"))
 
     def close(self) -> None:
         self._store = None  # the last rank's store to close removes the file

@@ -102,7 +102,7 @@ def parse_dcp_metadata(data: bytes, source: str) -> Metadata:
     return metadata
 
 
-_BUFFER = 1 << 20  # bytes read at a time where a chunk is read in pieces
+_BUFFER = 1 << 24  # bytes read at a time where a chunk is read in pieces
 
 
 def file_checksum(fd: int, start: int, length: int) -> int | None:
