@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pshard._collectives",),
     ("pshard._remat",),
     ("pshard._shard_map",),
+    ("pshard._modules",),
     ("pshard._microbatch", "pshard.sequence", "pshard._state"),
     ("pshard.integrations",),
     ("pshard",),

@@ -1,5 +1,5 @@
 """Hugging Face transformers models under :func:`pshard.sequence_parallel`: the model adapter
-(:class:`pshard.sequence.adapter.ModelAdapter`) of models whose config has an
+(:class:`pshard._modules.adapter.ModelAdapter`) of models whose config has an
 ``_attn_implementation``, registered when this module is imported (``import pshard`` does).
 
 ``transformers`` stays optional: nothing here imports it until a Hugging Face model is used.
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._modules.adapter import PreparedCall, Reduce, register_adapter
 from ..sequence._lm import (
     ATTENTION_MASK,
     IGNORE_INDEX,
@@ -51,13 +52,7 @@ from ..sequence._lm import (
     segment_ids_of,
     shift_labels,
 )
-from ..sequence.adapter import (
-    PreparedCall,
-    Reduce,
-    plugged_attention,
-    register_adapter,
-    run_attention,
-)
+from ..sequence.plug import plugged_attention, run_attention
 
 __all__ = ["TransformersAdapter"]
 
@@ -162,7 +157,7 @@ def _refuse(model: nn.Module, kwargs: dict[str, Any]) -> None:
 
 
 class TransformersAdapter:
-    """The :class:`~pshard.sequence.adapter.ModelAdapter` of Hugging Face transformers models
+    """The :class:`~pshard._modules.adapter.ModelAdapter` of Hugging Face transformers models
     (see the module docs)."""
 
     name = "transformers"

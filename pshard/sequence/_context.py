@@ -93,7 +93,7 @@ class SeqAttention:
     """The sequence-parallel attention ``sequence_parallel(model, attention=...)`` plugged into
     the model, for one call: ``kind`` (``"ulysses"``, ``"ring"`` or ``"usp"``), the call's
     ``axis`` (normalised; ``(ring_axis, ulysses_axis)`` for ``"usp"``) and this rank's segment
-    ids (``(batch, local tokens)``, or ``None``). :func:`pshard.sequence.adapter.run_attention`
+    ids (``(batch, local tokens)``, or ``None``). :func:`pshard.sequence.plug.run_attention`
     runs it."""
 
     kind: str

@@ -1,5 +1,5 @@
-"""Model adapters: what :func:`pshard.sequence_parallel` needs from a family of models it does
-not own.
+"""Model adapters: what pshard's model-level rooms need from a family of models they do not
+own.
 
 On its own, ``sequence_parallel(model)`` splits a call by pshard's causal-LM batch convention
 (the keys of :mod:`pshard.sequence._lm`: the sequence length is that of ``input_ids`` or
@@ -9,11 +9,11 @@ the model calls the sequence-parallel attention functions itself. A family of mo
 conventions of its own is described by a :class:`ModelAdapter`:
 
 - **which attention to swap in, and how to restore the model**: :meth:`~ModelAdapter.plug`
-  makes the model's attention layers call :func:`run_attention` (the attention
-  ``sequence_parallel(model, attention=...)`` asked for, found with :func:`plugged_attention`)
-  and returns what restores the model's own; :meth:`~ModelAdapter.attention_name` and
-  :meth:`~ModelAdapter.use_attention` let a backward pass through a call plug it again for
-  recomputed (checkpointed) layers;
+  makes the model's attention layers call :func:`pshard.sequence.plug.run_attention` (the
+  attention ``sequence_parallel(model, attention=...)`` asked for, found with
+  :func:`pshard.sequence.plug.plugged_attention`) and returns what restores the model's own;
+  :meth:`~ModelAdapter.attention_name` and :meth:`~ModelAdapter.use_attention` let a backward
+  pass through a call plug it again for recomputed (checkpointed) layers;
 - **which arguments are sequences, and how to pad and shift them** before the split:
   :meth:`~ModelAdapter.prepare` sees the whole call (refusing what cannot be exact, shifting
   labels over the whole sequence, counting the whole batch's targets) and returns the segment
@@ -24,8 +24,8 @@ conventions of its own is described by a :class:`ModelAdapter`:
 An adapter is registered once with :func:`register_adapter` and found with
 :func:`find_adapter`. The registry is written when an integration is imported
 (:mod:`pshard.integrations.transformers` registers the Hugging Face adapter when ``pshard`` is
-imported) and read afterwards; this package never imports an integration, and registering one
-imports nothing of the library it adapts.
+imported) and read afterwards; the rooms that use it never import an integration, and
+registering one imports nothing of the library it adapts.
 """
 
 from __future__ import annotations
@@ -37,25 +37,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ._context import SeqAttention, find_context
-from ._ring import ring_attention
-from ._ulysses import ulysses_attention
-from ._usp import usp_attention
-
 __all__ = [
-    "ATTENTIONS",
     "ModelAdapter",
     "PreparedCall",
     "Reduce",
     "find_adapter",
-    "plugged_attention",
     "register_adapter",
     "registered_adapters",
-    "run_attention",
 ]
-
-#: What ``sequence_parallel(model, attention=...)`` takes.
-ATTENTIONS = ("ulysses", "ring", "usp")
 
 #: ``reduce(value, where)``: the sum over the sequence-parallel axis of every rank's ``value``
 #: (its share of a loss); ``where`` names the output in errors (``"output['loss']"``).
@@ -103,10 +92,10 @@ class ModelAdapter(Protocol):
         ...
 
     def plug(self, model: nn.Module) -> Callable[[], None]:
-        """Make the model's attention layers run :func:`run_attention` when
-        :func:`plugged_attention` finds one, and their own attention otherwise; returns the
-        function that restores the model's own. Raises ``RuntimeError`` when pshard's attention
-        is already plugged (nesting)."""
+        """Make the model's attention layers run :func:`pshard.sequence.plug.run_attention`
+        when :func:`pshard.sequence.plug.plugged_attention` finds one, and their own attention
+        otherwise; returns the function that restores the model's own. Raises
+        ``RuntimeError`` when pshard's attention is already plugged (nesting)."""
         ...
 
     def use_attention(self, model: nn.Module, name: str) -> Callable[[], None] | None:
@@ -153,41 +142,3 @@ def find_adapter(model: nn.Module) -> ModelAdapter | None:
         if adapter.matches(model):
             return adapter
     return None
-
-
-def plugged_attention(local_length: int) -> SeqAttention | None:
-    """The attention plugged for the ``sequence_parallel`` call running now (in the forward
-    pass, or recomputed in its backward pass), for an attention layer given ``local_length``
-    tokens; ``None`` outside such a call (the layer runs the model's own attention)."""
-    ctx = find_context(None, local_length)
-    return None if ctx is None or ctx.call is None else ctx.call.attention
-
-
-def run_attention(
-    plugged: SeqAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    causal: bool,
-    window: int | tuple[int | None, int | None] | None,
-    scale: float | None,
-    seq_dim: int,
-    head_dim: int,
-) -> torch.Tensor:
-    """Run ``plugged`` (:func:`pshard.ulysses_attention`, :func:`pshard.ring_attention` or
-    :func:`pshard.usp_attention`) on this rank's tokens, with the call's segment ids; the
-    arguments are those of the attention functions."""
-    options: dict[str, Any] = {
-        "causal": causal,
-        "segment_ids": plugged.segment_ids,
-        "window": window,
-        "seq_dim": seq_dim,
-        "head_dim": head_dim,
-        "scale": scale,
-    }
-    if plugged.kind == "usp":
-        ring, ulysses = plugged.axis  # (ring_axis, ulysses_axis)
-        return usp_attention(query, key, value, ulysses_axis=ulysses, ring_axis=ring, **options)
-    attend = ulysses_attention if plugged.kind == "ulysses" else ring_attention
-    return attend(query, key, value, axis=plugged.axis, **options)
