@@ -75,6 +75,7 @@ from .sequence._ring import ring_attention as ring_attention
 from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
 from .sequence._ulysses import ulysses_attention as ulysses_attention
 from .sequence._usp import usp_attention as usp_attention
+from .tensor_parallel._loss import cross_entropy as cross_entropy
 
 __all__ = [
     "CheckpointModule",
@@ -150,4 +151,5 @@ __all__ = [
     "ulysses_attention",
     "unshard_tensor",
     "use_mesh",
+    "cross_entropy",
 ]

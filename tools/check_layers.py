@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pshard._remat",),
     ("pshard._shard_map",),
     ("pshard._modules",),
-    ("pshard._microbatch", "pshard.sequence", "pshard._state"),
+    ("pshard._microbatch", "pshard.sequence", "pshard._state", "pshard.tensor_parallel"),
     ("pshard.integrations",),
     ("pshard",),
 )
