@@ -21,6 +21,12 @@ conventions of its own is described by a :class:`ModelAdapter`:
 - **the model's own loss**: when the model computes a loss from the labels of its tokens,
   :meth:`~ModelAdapter.sum_loss` sums every rank's share.
 
+The same adapter may describe the family to :func:`pshard.tensor_parallel`
+(:class:`TensorParallelParts`, found with :func:`tensor_parallel_part`): the default plans of
+its models, the layers that store their weight transposed (Hugging Face's ``Conv1D``), how an
+attention module holds its heads (:class:`AttentionHeads`) and which of its attributes count
+them, and the model's own loss on logits split over the vocabulary.
+
 An adapter is registered once with :func:`register_adapter` and found with
 :func:`find_adapter`. The registry is written when an integration is imported
 (:mod:`pshard.integrations.transformers` registers the Hugging Face adapter when ``pshard`` is
@@ -32,18 +38,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 __all__ = [
+    "AttentionHeads",
     "ModelAdapter",
+    "TensorParallelParts",
     "PreparedCall",
     "Reduce",
     "find_adapter",
     "register_adapter",
     "registered_adapters",
+    "tensor_parallel_part",
 ]
 
 #: ``reduce(value, where)``: the sum over the sequence-parallel axis of every rank's ``value``
@@ -121,6 +130,64 @@ class ModelAdapter(Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionHeads:
+    """How an attention module holds its heads (:meth:`TensorParallelParts.attention_heads`).
+
+    Attributes:
+        heads: query heads.
+        kv_heads: key/value heads (``heads`` without grouped-query attention).
+        head_dim: the width of one head.
+        projections: the children (names relative to the module) whose outputs are the heads:
+            the query, key and value projections in that order, or one fused projection.
+        kv: the key and value projections among them (empty for a fused one).
+        parts: how many equal parts a fused projection packs on its output (q|k|v: 3), else 1.
+        output: the child projecting the heads back to the model's width.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    projections: tuple[str, ...]
+    kv: tuple[str, ...]
+    parts: int
+    output: str
+
+
+@runtime_checkable
+class TensorParallelParts(Protocol):
+    """What ``tensor_parallel`` needs to know about one family of models."""
+
+    def tensor_parallel_plan(
+        self, model: nn.Module, sequence_parallel: bool
+    ) -> dict[str, str] | None:
+        """The default plan of ``model`` (module-name pattern -> style), with Megatron sequence
+        parallelism when asked; ``None`` when the adapter has none for this model."""
+        ...
+
+    def projection_layout(self, module: nn.Module) -> str | None:
+        """``"transposed"`` for a layer of the family that computes ``x @ weight + bias`` with
+        ``weight`` stored ``(in, out)`` (Hugging Face's ``Conv1D``); ``None`` otherwise."""
+        ...
+
+    def attention_heads(self, module: nn.Module) -> AttentionHeads | None:
+        """How ``module`` holds its heads, when it is an attention module of the family."""
+        ...
+
+    def localize_attention(
+        self, module: nn.Module, heads: int, kv_heads: int
+    ) -> Callable[[], None]:
+        """Make the attention ``module`` compute with ``heads`` query and ``kv_heads`` key/value
+        heads (this rank's: the attributes its code reads of them); returns the undo."""
+        ...
+
+    def parallel_loss(self, model: nn.Module, axis: str) -> Callable[[], None] | None:
+        """Replace the loss ``model`` computes from its ``labels`` by the same loss on logits
+        split over the vocabulary across ``axis``; returns the undo, or ``None`` when the model
+        computes no loss of its own."""
+        ...
+
+
 # adapter name -> adapter; written when an integration is imported, read afterwards
 _ADAPTERS: dict[str, ModelAdapter] = {}
 
@@ -140,5 +207,14 @@ def find_adapter(model: nn.Module) -> ModelAdapter | None:
     """The adapter of ``model``'s family (the latest registered that matches), or ``None``."""
     for adapter in reversed(_ADAPTERS.values()):
         if adapter.matches(model):
+            return adapter
+    return None
+
+
+def tensor_parallel_part(model: nn.Module) -> TensorParallelParts | None:
+    """The tensor-parallel part of the adapter of ``model``'s family (the latest registered
+    that matches and has one), or ``None``."""
+    for adapter in reversed(_ADAPTERS.values()):
+        if isinstance(adapter, TensorParallelParts) and adapter.matches(model):
             return adapter
     return None
