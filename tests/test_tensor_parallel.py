@@ -398,3 +398,77 @@ def test_bad_input_is_named(pool) -> None:
         "tensor_parallel: model.embed_tokens.weight is (61, 32), but the plan ('vocab' from "
         "pattern 'model.embed_tokens') splits it as P('tp', None), so that rank"
     )
+
+
+# --------------------------------------------------------------------------- a model of one's own
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(6)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(6, 7), torch.nn.GELU(), torch.nn.Linear(7, 6)
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.norm(h))
+
+
+class TinyLM(torch.nn.Module):
+    """An embedding, one MLP block, a norm and a head: styles on a model no adapter knows
+    (uneven splits: 61 rows, 7 hidden features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, 6, padding_idx=3)
+        self.block = Block()
+        self.norm = torch.nn.LayerNorm(6)
+        self.head = torch.nn.Linear(6, V, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.block(self.embed(ids))))
+
+
+PLAN = {"embed": "vocab", "block.mlp.0": "colwise", "block.mlp.2": "rowwise", "head": "colwise"}
+
+
+def _own_model_worker(sequence: bool) -> dict:
+    ps.init_mesh({"tp": 2})
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    plan = dict(PLAN)
+    if sequence:  # the block and the final norm on this rank's tokens
+        plan |= {"block": "sequence", "norm": "sequence"}
+    specs = ps.tensor_parallel_specs(model, plan)
+    params = ps.shard({k: v.detach() for k, v in model.named_parameters()}, specs)
+    ids = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(2))
+    target = torch.randn(3, 8, V, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def loss(p: dict) -> torch.Tensor:
+        with ps.tensor_parallel(model, plan) as s:
+            call = lambda p: torch.func.functional_call(model, p, (ids,))  # noqa: E731
+            return (ps.shard_map(call, in_specs=(s,), out_specs=P())(p) * target).sum()
+
+    grads, value = torch.func.grad_and_value(loss)(params)
+    ref = (model(ids) * target).sum()
+    names = [n for n, _ in model.named_parameters()]
+    ref_grads = dict(zip(names, torch.autograd.grad(ref, list(model.parameters())), strict=True))
+    return {
+        "specs": specs,
+        "loss": (value, ref.detach()),
+        "grads": _blocks(grads, ref_grads, params),
+    }
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_a_model_no_adapter_knows(pool, sequence: bool) -> None:
+    """A plan of one's own on a plain nn.Module: a vocabulary-split embedding with a padding
+    row, an MLP pair, a gathered head, uneven splits; with 'sequence' modules around the MLP
+    (Megatron sequence parallelism) too; float64 exact."""
+    for r, out in enumerate(pool.run(2, _own_model_worker, sequence)):
+        assert out["specs"]["embed.weight"] == P("tp", None)
+        assert out["specs"]["block.mlp.2.bias"] == P()
+        torch.testing.assert_close(*out["loss"], **EXACT)
+        for name, (got, want) in out["grads"].items():
+            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}: {name}")
