@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .._collectives.functions import all_gather, psum, psum_scatter
+from .._core.caches import cached
 from .._core.tree import describe
 from ._plan import Layer, block_shape
 
@@ -95,7 +96,7 @@ def _out_features(layer: Layer) -> int:
 def _check_blocks(layer: Layer, params: dict[str, Any], split: Split) -> None:
     for name, value in params.items():
         spec = layer.specs[name]
-        want = block_shape(spec, layer.whole[name], split.size, split.rank)
+        want = _block_shape(spec, layer.whole[name], split.size, split.rank)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else describe(value)
             raise ValueError(
@@ -105,6 +106,12 @@ def _check_blocks(layer: Layer, params: dict[str, Any], split: Split) -> None:
                 f"{layer.whole[name]}); call the model inside a map over {split.axis!r} on the "
                 f"blocks of ps.tensor_parallel_specs(model) (the map's in_specs)"
             )
+
+
+@cached("pshard.tensor_parallel.block_shape", maxsize=4096)
+def _block_shape(spec: Any, whole: tuple[int, ...], size: int, rank: int) -> tuple[int, ...]:
+    """:func:`block_shape`, remembered (a pure function of small arguments)."""
+    return block_shape(spec, whole, size, rank)
 
 
 def _gather_features(y: torch.Tensor, whole: int, split: Split) -> torch.Tensor:
