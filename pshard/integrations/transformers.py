@@ -270,12 +270,15 @@ class TransformersAdapter:
     ) -> dict[str, str] | None:
         """The default plan of a Llama, Mistral, Qwen2 or GPT-2 model (see the module docs)."""
         kind = getattr(_config(model), "model_type", None)
-        plan = _PLANS.get(kind) if isinstance(kind, str) else None
-        if plan is None:
+        known = _PLANS.get(kind) if isinstance(kind, str) else None
+        if known is None:
             return None
+        plan, sequence = known
+        if sequence_parallel:
+            plan = {**plan, **dict.fromkeys(sequence, "sequence")}
         prefix = getattr(model, "base_model_prefix", "")
         base = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-        out = {(f"{base}.{k}" if base else k): v for k, v in plan(sequence_parallel).items()}
+        out = {(f"{base}.{k}" if base else k): v for k, v in plan.items()}
         output_embeddings = _attr(model, "get_output_embeddings", None)
         head = output_embeddings() if callable(output_embeddings) else None
         if head is not None and _attr(model, "lm_head", None) is head:
@@ -372,41 +375,33 @@ def _from_transformers(module: nn.Module) -> bool:
     return type(module).__module__.startswith("transformers.")
 
 
-def _llama_plan(sequence: bool) -> dict[str, str]:
-    plan = {
-        "embed_tokens": "vocab",
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
-    if sequence:
-        plan.update({"layers.*": "sequence", "norm": "sequence"})
-    return plan
+_LLAMA = {
+    "embed_tokens": "vocab",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+_GPT2 = {
+    "wte": "vocab",
+    "h.*.attn.c_attn": "colwise",
+    "h.*.attn.c_proj": "rowwise",
+    "h.*.mlp.c_fc": "colwise",
+    "h.*.mlp.c_proj": "rowwise",
+}
 
-
-def _gpt2_plan(sequence: bool) -> dict[str, str]:
-    plan = {
-        "wte": "vocab",
-        "h.*.attn.c_attn": "colwise",
-        "h.*.attn.c_proj": "rowwise",
-        "h.*.mlp.c_fc": "colwise",
-        "h.*.mlp.c_proj": "rowwise",
-    }
-    if sequence:
-        plan.update({"h.*": "sequence", "ln_f": "sequence"})
-    return plan
-
-
-# config.model_type -> the default plan of the base model (module names under its prefix)
-_PLANS: dict[str, Callable[[bool], dict[str, str]]] = {
-    "llama": _llama_plan,
-    "mistral": _llama_plan,
-    "qwen2": _llama_plan,
-    "gpt2": _gpt2_plan,
+# config.model_type -> the default plan of the base model (module names under its prefix), and
+# the modules Megatron sequence parallelism adds as "sequence": the decoder layers (the first
+# splits the embeddings' output, which transformers reads whole for masks and positions) and
+# the final norm (which gathers: GPT-2 reshapes its output with the whole length)
+_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "llama": (_LLAMA, ("layers.*", "norm")),
+    "mistral": (_LLAMA, ("layers.*", "norm")),
+    "qwen2": (_LLAMA, ("layers.*", "norm")),
+    "gpt2": (_GPT2, ("h.*", "ln_f")),
 }
 
 
