@@ -125,3 +125,33 @@ def test_dp_tp_sp_on_eight_ranks(pool) -> None:
     if getattr(pool, "_backend", "gloo") == "gloo" and not os.environ.get("PSHARD_WIDE_TESTS"):
         pytest.skip("8 ranks run on the threads pool (gloo worlds here stop at 4 processes)")
     _check(pool.run(8, _compose_worker, {"dp": 2, "tp": 2, "sp": 2}, "after", "grad"))
+
+
+def _kept_order_worker() -> str:
+    ps.init_mesh({"dp": 1, "tp": 2})
+    model = build("llama")
+    specs = fsdp_specs(model, ps.tensor_parallel_specs(model), "after")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    specs[name] = P(("dp", "tp"), None)  # "dp" first: the "tp" block is not what "dp" gathers
+    params = ps.shard({k: v.detach() for k, v in model.named_parameters()}, specs)
+    ids = batch("plain")["input_ids"]
+
+    def body(p: dict) -> torch.Tensor:
+        return ps.sharded_call(model, p, (ids,), {"use_cache": False}, specs=specs).logits
+
+    try:
+        with ps.tensor_parallel(model):
+            ps.shard_map(body, in_specs=(specs,), out_specs=P(), axis_names=("dp", "tp"))(params)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_inside_tensor_parallel_its_axis_splits_first(pool) -> None:
+    """sharded_call keeps the "tp" split: a block split over "dp" before "tp" on one dim is an
+    error naming the parameter and the fix."""
+    message = pool.run(2, _kept_order_worker)[0]
+    assert message.startswith(
+        "sharded_call specs['model.layers.0.self_attn.q_proj.weight']: P(('dp', 'tp'), None) "
+        "splits dim 0 over 'dp' before 'tp', but inside ps.tensor_parallel(axis='tp')"
+    ), message
