@@ -21,7 +21,10 @@ run in fresh processes started by ``ps.spawn`` (one thread per rank):
   outside a checkpoint lives until the gradient returns (``.backward()`` frees each node's as
   it goes); a checkpoint lets go of its values after its own backward;
 - **pshard-sp**: **pshard** with Megatron sequence parallelism
-  (``ps.tensor_parallel_plan(model, sequence_parallel=True)``), for its activation memory.
+  (``ps.tensor_parallel_plan(model, sequence_parallel=True)``), for its activation memory;
+- **pshard-backward**: **pshard** differentiated with ``.backward()`` (the blocks as leaf
+  tensors) instead of ``torch.func.grad``: what the split model holds apart from
+  ``create_graph`` (not in the default modes).
 
 Measured per rank: ``peak``, the resident high-water mark above the resident size before the
 model was built (the largest over the ranks); ``step``, the median step time after a warm-up
@@ -33,8 +36,8 @@ each pair's pshard / dtensor. The script checks that pshard's loss equals DTenso
 Target (issue 37): pshard's step time and peak at most 1.0x DTensor TP's.
 
     python benchmarks/tensor_parallel.py [--nprocs 2 4] [--hidden 1024] [--ffn 2816]
-        [--layers 4] [--heads 16] [--kv-heads 8] [--vocab 8192] [--seq 512] [--rows 2]
-        [--steps 3] [--pairs 4] [--modes dtensor pshard pshard-sp]
+        [--layers 4] [--heads 16] [--kv-heads 8] [--vocab 8192] [--seq 256] [--rows 2]
+        [--steps 3] [--pairs 4] [--modes dtensor pshard pshard-remat pshard-sp]
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ MODES = {
     "pshard": "pshard",
     "pshard-remat": "pshard, layers ps.checkpoint",
     "pshard-sp": "pshard + sequence parallel",
+    "pshard-backward": "pshard, .backward()",
 }
 
 
@@ -186,6 +190,17 @@ def _pshard(a: argparse.Namespace, ids: Any, labels: Any, mode: str) -> Any:
             mapped = ps.shard_map(body, in_specs=(specs, None, None), out_specs=ps.P())
             return mapped(params, ids, labels)
 
+    if mode == "pshard-backward":
+        leaves = {k: ps.GlobalTensor(v.local.requires_grad_(), v.meta) for k, v in params.items()}
+
+        def backward_step() -> Any:
+            value = loss(leaves)
+            value.backward()
+            for x in leaves.values():
+                x.local.grad = None
+            return value.detach()
+
+        return backward_step
     grad_and_value = torch.func.grad_and_value(loss)
 
     def step() -> Any:
@@ -257,11 +272,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=4)
-    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    parser.add_argument(
+        "--modes", nargs="+", choices=tuple(MODES), default=list(MODES)[:4], help="see above"
+    )
     a = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # freed blocks go back
 
