@@ -439,7 +439,7 @@ def _own_model_worker(sequence: bool) -> dict:
     model = TinyLM().double()
     plan = dict(PLAN)
     if sequence:  # the block and the final norm on this rank's tokens
-        plan |= {"block": "sequence", "norm": "sequence"}
+        plan |= {"norm": "sequence", "block": "sequence"}  # the first in module order splits
     specs = ps.tensor_parallel_specs(model, plan)
     params = ps.shard({k: v.detach() for k, v in model.named_parameters()}, specs)
     ids = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(2))
@@ -472,3 +472,17 @@ def test_a_model_no_adapter_knows(pool, sequence: bool) -> None:
         torch.testing.assert_close(*out["loss"], **EXACT)
         for name, (got, want) in out["grads"].items():
             torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}: {name}")
+
+
+def test_the_sequence_region_follows_module_order() -> None:
+    """The first 'sequence' module in module order splits the tokens and the last gathers
+    them, whatever order the plan lists them in (pure: no process group)."""
+    from pshard.tensor_parallel._plan import resolve
+
+    model = TinyLM()
+    for plan in (PLAN | {"norm": "sequence", "block": "sequence"},
+                 PLAN | {"block": "sequence", "norm": "sequence"}):  # fmt: skip
+        layers = resolve(model, plan, "tp", 2, None, "test").layers
+        assert layers["block"].split_tokens and not layers["block"].gather_tokens
+        assert layers["norm"].gather_tokens and not layers["norm"].split_tokens
+        assert layers["block.mlp"].style == "gather" and layers["block.mlp.2"].scatter_output

@@ -277,7 +277,8 @@ def resolve(
     attention, projections = (
         _attention(modules, chosen, size, fn, adapter) if adapter is not None else ([], {})
     )
-    regions = [n for n, (s, _) in chosen.items() if s == "sequence"]
+    # the outermost "sequence" modules, in module order: the first splits, the last gathers
+    regions = [n for n in modules if chosen.get(n, ("",))[0] == "sequence"]
     regions = [n for n in regions if not any(n.startswith(o + ".") for o in regions)]
     ordered = [n for n in modules if n in chosen and chosen[n][0] != "replicate"]
     layers: dict[str, Layer] = {}
