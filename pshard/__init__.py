@@ -77,6 +77,10 @@ from .sequence._ring import ring_attention as ring_attention
 from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
 from .sequence._ulysses import ulysses_attention as ulysses_attention
 from .sequence._usp import usp_attention as usp_attention
+from .tensor_parallel._api import tensor_parallel as tensor_parallel
+from .tensor_parallel._api import tensor_parallel_plan as tensor_parallel_plan
+from .tensor_parallel._api import tensor_parallel_specs as tensor_parallel_specs
+from .tensor_parallel._loss import cross_entropy as cross_entropy
 
 __all__ = [
     "CheckpointModule",
@@ -154,4 +158,8 @@ __all__ = [
     "ulysses_attention",
     "unshard_tensor",
     "use_mesh",
+    "cross_entropy",
+    "tensor_parallel",
+    "tensor_parallel_plan",
+    "tensor_parallel_specs",
 ]

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from .._collectives.functions import all_gather
-from .._core.global_tensor import GlobalTensor, is_global
+from .._core.global_tensor import GlobalTensor, applied_shards, is_global
 from .._core.layout_rules import index_runs
-from .._core.placements import P, Replicate, Shard
+from .._core.placements import P, Replicate, Shard, StridedShard
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe, tree_flatten
 from .._remat.checkpoint import checkpoint
@@ -40,12 +40,18 @@ from .._remat.policies import save_anything_except_these_names
 from .._runtime.mesh import mesh_for
 from .global_ops import gather
 
-__all__ = ["GATHER_NAME", "sharded_call"]
+__all__ = ["GATHER_NAME", "KEEP_SPLIT", "sharded_call"]
 
 _FN = "sharded_call"
 
 #: The :func:`pshard.checkpoint_name` of the weights a unit gathers (recomputed, not saved).
 GATHER_NAME = "pshard.sharded_call.gather"
+
+#: The mesh axes whose splits ``sharded_call`` keeps: inside ``ps.tensor_parallel(axis=a)``
+#: the blocks are gathered over every axis but ``a`` (and the layers compute on ``a``'s block).
+KEEP_SPLIT: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "pshard_sharded_call_keep", default=frozenset()
+)
 
 # the units whose own forward is running (their override calls through to it)
 _INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
@@ -117,16 +123,12 @@ class _Gatherer:
         return _gather_block(value, self.spec, self.whole, self.name)
 
 
-def _axes_of(spec: Any, name: str) -> list[tuple[str, int]]:
-    """``(axis, dim)`` pairs of a block's spec, in the order the splits apply."""
+def _axes_of(spec: Any, name: str) -> list[tuple[str, Shard | StridedShard]]:
+    """``(axis, placement)`` pairs of a block's spec, in the order the splits apply."""
     if spec is None or isinstance(spec, Replicate):
         return []
     if isinstance(spec, P):
-        out = []
-        for d, entry in enumerate(spec):
-            for a in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-                out.append((a, d))
-        return out
+        return applied_shards(spec)
     raise TypeError(
         f"{_FN} specs[{name!r}]: expected a P over the mesh axes, Replicate() or None as the "
         f"spec of a block, got {describe(spec)}"
@@ -148,7 +150,7 @@ def _gather_block(
         whole,
         tuple(sizes[a] for a, _ in pairs),
         tuple(coord[a] for a, _ in pairs),
-        tuple(Shard(d) for _, d in pairs),
+        tuple(p for _, p in pairs),
     )
     expected = tuple(sum(map(len, r)) for r in runs)
     if tuple(block.shape) != expected:
@@ -157,24 +159,77 @@ def _gather_block(
             f"splits the module's parameter of shape {whole} so that this rank holds "
             f"{expected}; pass the block the map gave (its in_spec as specs[{name!r}])"
         )
+    keep = KEEP_SPLIT.get()
+    _check_kept(pairs, keep, spec, name)
     out = block
-    # undo the splits innermost first: each gathers the pieces of the block one level up
+    # undo the splits innermost first: each gathers the pieces of the block one level up; the
+    # kept axes (tensor parallelism) split first, so the block keeps their split
     for i in reversed(range(len(pairs))):
-        axis, d = pairs[i]
+        axis, p = pairs[i]
+        if axis in keep:
+            continue
+        d = p.dim
         outer = index_runs(
             whole,
             tuple(sizes[a] for a, _ in pairs[:i]),
             tuple(coord[a] for a, _ in pairs[:i]),
-            tuple(Shard(dd) for _, dd in pairs[:i]),
+            tuple(pp for _, pp in pairs[:i]),
         )
         length = sum(map(len, outer[d]))  # the size of dim d one level up
+        if isinstance(p, StridedShard):
+            out = _gather_strided(out, axis, p, sizes[axis], length)
+            continue
         piece = -(-length // sizes[axis])
         if out.shape[d] < piece:  # uneven: pad to the largest piece, trim after the gather
-            pad = list(out.shape)
-            pad[d] = piece - out.shape[d]
-            out = torch.cat([out, out.new_zeros(pad)], d)
+            out = _pad(out, d, piece)
         out = all_gather(out, axis, dim=d, tiled=True).narrow(d, 0, length)
     return out
+
+
+def _pad(x: torch.Tensor, d: int, length: int) -> torch.Tensor:
+    pad = list(x.shape)
+    pad[d] = length - x.shape[d]
+    return torch.cat([x, x.new_zeros(pad)], d)
+
+
+def _gather_strided(
+    x: torch.Tensor, axis: str, p: StridedShard, size: int, length: int
+) -> torch.Tensor:
+    """The ``length`` elements of dim ``p.dim`` that ``size`` ranks of ``axis`` split in
+    ``p.split_factor`` parts (each rank its piece of every part), from this rank's ``x``."""
+    d = p.dim
+    held = [
+        [i for run in index_runs((length,), (size,), (c,), (StridedShard(0, p.split_factor),))[0]
+         for i in run]
+        for c in range(size)
+    ]  # fmt: skip
+    piece = max(map(len, held))
+    if x.shape[d] < piece:
+        x = _pad(x, d, piece)
+    gathered = all_gather(x, axis, dim=d, tiled=True)  # rank c's piece at c * piece
+    source = [0] * length
+    for c, positions in enumerate(held):
+        for j, g in enumerate(positions):
+            source[g] = c * piece + j
+    return gathered.index_select(d, torch.tensor(source, dtype=torch.long, device=x.device))
+
+
+def _check_kept(
+    pairs: list[tuple[str, Shard | StridedShard]], keep: frozenset[str], spec: Any, name: str
+) -> None:
+    """Inside ``tensor_parallel``: an axis whose split is kept must split its dim before
+    every axis that is gathered (the block is then the kept axis's block of the whole)."""
+    gathered: dict[int, str] = {}
+    for axis, p in pairs:
+        if axis not in keep:
+            gathered.setdefault(p.dim, axis)
+        elif p.dim in gathered:
+            raise ValueError(
+                f"{_FN} specs[{name!r}]: {spec!r} splits dim {p.dim} over {gathered[p.dim]!r} "
+                f"before {axis!r}, but inside ps.tensor_parallel(axis={axis!r}) the blocks are "
+                f"gathered over every axis but {axis!r}, which must split first; list "
+                f"{axis!r} first in that entry, or split the other axis on another dim"
+            )
 
 
 class _UnitCall:
@@ -418,7 +473,7 @@ def _specs_by_name(params: Mapping[str, Any], specs: Any) -> dict[str, Any]:
 def _check_value(name: str, v: Any, spec: Any, whole: tuple[int, ...]) -> None:
     """A GlobalTensor of the parameter's shape, or a tensor of it (whole, no spec)."""
     if is_global(v):
-        if tuple(v.shape) != whole:
+        if tuple(v.shape) != whole and not KEEP_SPLIT.get():  # inside tensor_parallel: its block
             raise ValueError(
                 f"{_FN} params[{name!r}]: a GlobalTensor of shape {tuple(v.shape)}, but the "
                 f"module's parameter has shape {whole}"

@@ -36,7 +36,7 @@ from .._core.global_tensor import (
     dtensor_placements,
     is_global,
 )
-from .._core.placements import P
+from .._core.placements import P, entry_of, entry_splits
 from .._core.tree import describe, keystr
 from .._shard_map.global_ops import from_dtensor
 from .._shard_map.replicas import groups_text, tensor_digest
@@ -94,12 +94,12 @@ def nearest_spec(meta: GlobalMeta) -> P:
     """The layout closest to ``meta.spec`` that DTensor can write: each dim's axes in mesh
     order (the same axes split the dim, so the blocks are the same sizes, held elsewhere)."""
     names = meta.key.names
-    entries: list[str | tuple[str, ...] | None] = []
+    entries: list[str | tuple[str | int, ...] | None] = []
     for entry in meta.spec:
         if entry is None or isinstance(entry, str):
             entries.append(entry)
         else:
-            entries.append(tuple(sorted(entry, key=names.index)))
+            entries.append(entry_of(sorted(entry_splits(entry), key=lambda s: names.index(s[0]))))
     return P(*entries)
 
 
