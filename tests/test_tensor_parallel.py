@@ -316,15 +316,7 @@ def _sequence_worker(kind: str, checkpoint: bool = False) -> dict:
     [
         ("llama", False),
         ("gpt2", False),
-        pytest.param(
-            "gpt2",
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="ps.checkpoint cannot yet replay psum_scatter on gloo: the recompute "
-                "sees gloo's own copy of the scattered block as a tensor from outside",
-            ),
-        ),
+        ("gpt2", True),
     ],
 )
 def test_sequence_parallel_option(pool, kind: str, checkpoint: bool) -> None:

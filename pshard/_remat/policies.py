@@ -35,6 +35,7 @@ import torch
 
 from pshard._core.tree import describe
 
+from .._runtime.dispatch import OPS_NAMESPACE
 from .names import checkpoint_name
 
 __all__ = [
@@ -86,15 +87,23 @@ def is_dot(op: Any) -> bool:
     return getattr(op, "namespace", None) == "aten" and getattr(op, "_opname", None) in _DOTS
 
 
+# c10d's operators, and the in-process transport's of the same names
+_COMMUNICATION = frozenset({"c10d", OPS_NAMESPACE})
+
+
 def is_collective(op: Any) -> bool:
-    """Whether ``op`` is the communication of a collective (``torch.ops.c10d``: all-reduce,
-    all-gather, reduce-scatter, all-to-all, broadcast, reduce, gather, scatter)."""
-    return getattr(op, "namespace", None) == "c10d" and getattr(op, "_opname", None) in _COLLECTIVES
+    """Whether ``op`` is the communication of a collective (``torch.ops.c10d``, or the
+    in-process ranks' ``torch.ops.pshard_threads``: all-reduce, all-gather, reduce-scatter,
+    all-to-all, broadcast, reduce, gather, scatter)."""
+    return (
+        getattr(op, "namespace", None) in _COMMUNICATION
+        and getattr(op, "_opname", None) in _COLLECTIVES
+    )
 
 
 def is_p2p(op: Any) -> bool:
     """Whether ``op`` communicates without being a collective (sends, receives, barriers)."""
-    return getattr(op, "namespace", None) == "c10d" and not is_collective(op)
+    return getattr(op, "namespace", None) in _COMMUNICATION and not is_collective(op)
 
 
 # --- policies -------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ c10d backend (:data:`pshard._compat.THREADS_BACKEND`), so ``torch.distributed``'
 take turns (:mod:`pshard._runtime.turns`), so its state needs no lock of its own: it is only
 ever touched by the task holding the turn.
 
-The ranks' shared state and the work handles are :mod:`pshard._runtime.rendezvous`'s.
+The ranks' shared state and the work handles are :mod:`pshard._runtime.rendezvous`'s; each
+operation runs inside an operator that dispatch modes see (:mod:`pshard._runtime.dispatch`).
 
 Every rank's ``k``-th collective on a group meets the others' ``k``-th; when the last one
 arrives, it completes the operation for all of them at once (reductions in rank order, the same
@@ -22,6 +23,7 @@ backend hangs or aborts.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from .._compat import THREADS_BACKEND, unseen_writes
+from .dispatch import dispatched
 from .rendezvous import GroupState, Message, Shared, Slot, ThreadWork
 
 __all__ = ["ThreadGroup"]
-
 
 _REDUCE: dict[Any, tuple[str, Callable[[torch.Tensor, torch.Tensor], Any]]] = {
     dist.ReduceOp.SUM: ("sum", torch.Tensor.add_),
@@ -106,6 +108,14 @@ class ThreadGroup(dist.ProcessGroup):
 
     # -- the machinery
 
+    def _visibly(
+        self, name: str, args: tuple[Any, ...], post: Callable[[], ThreadWork]
+    ) -> ThreadWork:
+        work = dispatched(name, args, post)
+        if work is None:  # a dispatch mode replayed the operator: nothing to wait for
+            return ThreadWork(self._shared.turns, lambda: True, lambda: None, f"{name} (replayed)")
+        return work
+
     def _label(self) -> str:
         return f"process group {self._name!r} (global ranks {list(self._state.members)})"
 
@@ -135,10 +145,17 @@ class ThreadGroup(dist.ProcessGroup):
                     with unseen_writes(writes(slot.parts)):
                         complete(slot.parts)
                 except (ValueError, RuntimeError) as exc:
-                    slot.error = ValueError(f"{self._mismatch(index, slot)}\n({exc})")
+                    slot.error = self._failed(index, slot, exc)
             slot.done = True
         what = f"{call} on {self._label()}"
         return ThreadWork(self._shared.turns, lambda: slot.done, lambda: slot.error, what, result)
+
+    def _failed(self, index: int, slot: Slot, exc: BaseException) -> ValueError:
+        calls = "\n".join(f"  rank {r}: {c}" for r, c in sorted(slot.calls.items()))
+        return ValueError(
+            f"in-process ranks: collective {index + 1} on {self._label()} failed ({exc}); "
+            f"the ranks' calls:\n{calls}"
+        )
 
     def _mismatch(self, index: int, slot: Slot) -> ValueError:
         calls = "\n".join(f"  rank {r}: {c}" for r, c in sorted(slot.calls.items()))
@@ -160,13 +177,18 @@ class ThreadGroup(dist.ProcessGroup):
                 for r in parts:
                     parts[r][i].copy_(total)
 
-        return self._collective(
-            f"all_reduce:{name}",
-            list(tensors),
-            _describe(f"all_reduce[{name}]", tensors),
-            complete,
-            lambda parts: [t for p in parts.values() for t in p],
-            list(tensors),
+        return self._visibly(
+            "allreduce_",
+            (list(tensors),),
+            functools.partial(
+                self._collective,
+                f"all_reduce:{name}",
+                list(tensors),
+                _describe(f"all_reduce[{name}]", tensors),
+                complete,
+                lambda parts: [t for p in parts.values() for t in p],
+                list(tensors),
+            ),
         )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> ThreadWork:
@@ -182,13 +204,18 @@ class ThreadGroup(dist.ProcessGroup):
                 for i in range(n):
                     out[i].copy_(parts[i][1].reshape(-1))
 
-        return self._collective(
-            "all_gather",
+        return self._visibly(
+            "_allgather_base_",
             (output, input),
-            _describe("all_gather_into_tensor", [input]),
-            complete,
-            lambda parts: [p[0] for p in parts.values()],
-            [output],
+            functools.partial(
+                self._collective,
+                "all_gather",
+                (output, input),
+                _describe("all_gather_into_tensor", [input]),
+                complete,
+                lambda parts: [p[0] for p in parts.values()],
+                [output],
+            ),
         )
 
     def allgather(  # type: ignore[override]
@@ -200,13 +227,18 @@ class ThreadGroup(dist.ProcessGroup):
                     for i in range(len(parts)):
                         outs[i].copy_(parts[i][1][j])
 
-        return self._collective(
-            "allgather",
-            (outputs, inputs),
-            _describe("all_gather", inputs),
-            complete,
-            lambda parts: [t for p in parts.values() for outs in p[0] for t in outs],
-            [t for outs in outputs for t in outs],
+        return self._visibly(
+            "allgather_",
+            ([t for outs in outputs for t in outs], list(inputs)),
+            functools.partial(
+                self._collective,
+                "allgather",
+                (outputs, inputs),
+                _describe("all_gather", inputs),
+                complete,
+                lambda parts: [t for p in parts.values() for outs in p[0] for t in outs],
+                [t for outs in outputs for t in outs],
+            ),
         )
 
     def allgather_coalesced(
@@ -235,13 +267,18 @@ class ThreadGroup(dist.ProcessGroup):
                 blocks = [parts[i][1].reshape(n, -1)[r] for i in range(n)]
                 parts[r][0].view(-1).copy_(_reduce(blocks, op, "reduce_scatter"))
 
-        return self._collective(
-            f"reduce_scatter:{name}",
+        return self._visibly(
+            "_reduce_scatter_base_",
             (output, input),
-            _describe(f"reduce_scatter_tensor[{name}]", [input]),
-            complete,
-            lambda parts: [p[0] for p in parts.values()],
-            [output],
+            functools.partial(
+                self._collective,
+                f"reduce_scatter:{name}",
+                (output, input),
+                _describe(f"reduce_scatter_tensor[{name}]", [input]),
+                complete,
+                lambda parts: [p[0] for p in parts.values()],
+                [output],
+            ),
         )
 
     def reduce_scatter(  # type: ignore[override]
@@ -256,13 +293,18 @@ class ThreadGroup(dist.ProcessGroup):
                     blocks = [parts[i][1][j][r] for i in range(len(parts))]
                     out.copy_(_reduce(blocks, op, "reduce_scatter"))
 
-        return self._collective(
-            f"reduce_scatter_list:{name}",
-            (outputs, inputs),
-            _describe(f"reduce_scatter[{name}]", outputs),
-            complete,
-            lambda parts: [t for p in parts.values() for t in p[0]],
-            list(outputs),
+        return self._visibly(
+            "reduce_scatter_",
+            (list(outputs), [t for ins in inputs for t in ins]),
+            functools.partial(
+                self._collective,
+                f"reduce_scatter_list:{name}",
+                (outputs, inputs),
+                _describe(f"reduce_scatter[{name}]", outputs),
+                complete,
+                lambda parts: [t for p in parts.values() for t in p[0]],
+                list(outputs),
+            ),
         )
 
     def reduce_scatter_single_coalesced(
@@ -302,13 +344,18 @@ class ThreadGroup(dist.ProcessGroup):
                         )
                     dst[i].copy_(src.reshape(dst[i].shape))
 
-        return self._collective(
-            "all_to_all",
-            (output, input, list(output_split_sizes), list(input_split_sizes)),
-            _describe("all_to_all_single", [input]),
-            complete,
-            lambda parts: [p[0] for p in parts.values()],
-            [output],
+        return self._visibly(
+            "alltoall_base_",
+            (output, input),
+            functools.partial(
+                self._collective,
+                "all_to_all",
+                (output, input, list(output_split_sizes), list(input_split_sizes)),
+                _describe("all_to_all_single", [input]),
+                complete,
+                lambda parts: [p[0] for p in parts.values()],
+                [output],
+            ),
         )
 
     def alltoall(
@@ -319,13 +366,18 @@ class ThreadGroup(dist.ProcessGroup):
                 for i in range(len(parts)):
                     parts[r][0][i].copy_(parts[i][1][r])
 
-        return self._collective(
-            "all_to_all_list",
-            (outputs, inputs),
-            _describe("all_to_all", inputs),
-            complete,
-            lambda parts: [t for p in parts.values() for t in p[0]],
-            list(outputs),
+        return self._visibly(
+            "alltoall_",
+            (list(outputs), list(inputs)),
+            functools.partial(
+                self._collective,
+                "all_to_all_list",
+                (outputs, inputs),
+                _describe("all_to_all", inputs),
+                complete,
+                lambda parts: [t for p in parts.values() for t in p[0]],
+                list(outputs),
+            ),
         )
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> ThreadWork:  # type: ignore[override]
@@ -338,13 +390,18 @@ class ThreadGroup(dist.ProcessGroup):
                 if r != root:
                     parts[r][index].copy_(source)
 
-        return self._collective(
-            f"broadcast:{root}",
-            list(tensors),
-            _describe(f"broadcast[src={root}]", tensors),
-            complete,
-            lambda parts: [p[index] for r, p in parts.items() if r != root],
-            list(tensors),
+        return self._visibly(
+            "broadcast_",
+            (list(tensors),),
+            functools.partial(
+                self._collective,
+                f"broadcast:{root}",
+                list(tensors),
+                _describe(f"broadcast[src={root}]", tensors),
+                complete,
+                lambda parts: [p[index] for r, p in parts.items() if r != root],
+                list(tensors),
+            ),
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> ThreadWork:  # type: ignore[override]
@@ -356,13 +413,18 @@ class ThreadGroup(dist.ProcessGroup):
             total = _reduce([parts[r][0] for r in range(len(parts))], op, "reduce")
             parts[root][0].copy_(total)
 
-        return self._collective(
-            f"reduce:{name}:{root}",
-            list(tensors),
-            _describe(f"reduce[{name}, dst={root}]", tensors),
-            complete,
-            lambda parts: [parts[root][0]],
-            list(tensors),
+        return self._visibly(
+            "reduce_",
+            (list(tensors),),
+            functools.partial(
+                self._collective,
+                f"reduce:{name}:{root}",
+                list(tensors),
+                _describe(f"reduce[{name}, dst={root}]", tensors),
+                complete,
+                lambda parts: [parts[root][0]],
+                list(tensors),
+            ),
         )
 
     def gather(  # type: ignore[override]
@@ -374,13 +436,18 @@ class ThreadGroup(dist.ProcessGroup):
             for i in range(len(parts)):
                 parts[root][0][0][i].copy_(parts[i][1][0])
 
-        return self._collective(
-            f"gather:{root}",
-            (outputs, inputs),
-            _describe(f"gather[dst={root}]", inputs),
-            complete,
-            lambda parts: list(parts[root][0][0]),
-            [t for outs in outputs for t in outs],
+        return self._visibly(
+            "gather_",
+            ([t for outs in outputs for t in outs], list(inputs)),
+            functools.partial(
+                self._collective,
+                f"gather:{root}",
+                (outputs, inputs),
+                _describe(f"gather[dst={root}]", inputs),
+                complete,
+                lambda parts: list(parts[root][0][0]),
+                [t for outs in outputs for t in outs],
+            ),
         )
 
     def scatter(  # type: ignore[override]
@@ -392,32 +459,46 @@ class ThreadGroup(dist.ProcessGroup):
             for r in parts:
                 parts[r][0][0].copy_(parts[root][1][0][r])
 
-        return self._collective(
-            f"scatter:{root}",
-            (outputs, inputs),
-            _describe(f"scatter[src={root}]", outputs),
-            complete,
-            lambda parts: [p[0][0] for p in parts.values()],
-            list(outputs),
+        return self._visibly(
+            "scatter_",
+            (list(outputs), [t for ins in inputs for t in ins]),
+            functools.partial(
+                self._collective,
+                f"scatter:{root}",
+                (outputs, inputs),
+                _describe(f"scatter[src={root}]", outputs),
+                complete,
+                lambda parts: [p[0][0] for p in parts.values()],
+                list(outputs),
+            ),
         )
 
     def barrier(self, opts: Any = None) -> ThreadWork:
-        return self._collective("barrier", None, "barrier()", lambda parts: None, lambda p: [])
+        post = functools.partial(
+            self._collective, "barrier", None, "barrier()", lambda parts: None, lambda p: []
+        )
+        return self._visibly("barrier", (), post)
 
     # -- point to point
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> ThreadWork:
-        message = Message(tensors[0])
-        self._post(self._state.sends, (self._rank, dst, tag), message)
-        what = f"a send to rank {dst} (tag {tag}) on {self._label()}"
-        return ThreadWork(
-            self._shared.turns, lambda: message.done, lambda: message.error, what, list(tensors)
+        return self._visibly(
+            "send", (list(tensors),), functools.partial(self._p2p, tensors, dst, tag, True)
         )
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> ThreadWork:
+        return self._visibly(
+            "recv_", (list(tensors),), functools.partial(self._p2p, tensors, src, tag, False)
+        )
+
+    def _p2p(self, tensors: list[torch.Tensor], peer: int, tag: int, sending: bool) -> ThreadWork:
         message = Message(tensors[0])
-        self._post(self._state.recvs, (src, self._rank, tag), message)
-        what = f"a receive from rank {src} (tag {tag}) on {self._label()}"
+        if sending:
+            self._post(self._state.sends, (self._rank, peer, tag), message)
+            what = f"a send to rank {peer} (tag {tag}) on {self._label()}"
+        else:
+            self._post(self._state.recvs, (peer, self._rank, tag), message)
+            what = f"a receive from rank {peer} (tag {tag}) on {self._label()}"
         return ThreadWork(
             self._shared.turns, lambda: message.done, lambda: message.error, what, list(tensors)
         )
