@@ -46,10 +46,12 @@ from torch import nn
 __all__ = [
     "AttentionHeads",
     "ModelAdapter",
+    "InitializerPart",
     "TensorParallelParts",
     "PreparedCall",
     "Reduce",
     "find_adapter",
+    "initializer_part",
     "register_adapter",
     "registered_adapters",
     "tensor_parallel_part",
@@ -188,6 +190,17 @@ class TensorParallelParts(Protocol):
         ...
 
 
+@runtime_checkable
+class InitializerPart(Protocol):
+    """What ``init_sharded`` needs to know about one family of models."""
+
+    def initializer(self, model: nn.Module) -> Callable[[], None] | None:
+        """A function that writes every parameter of ``model`` in place as the family's own
+        initialisation does (run once, on stand-ins), or ``None`` for a model it does not
+        initialise."""
+        ...
+
+
 # adapter name -> adapter; written when an integration is imported, read afterwards
 _ADAPTERS: dict[str, ModelAdapter] = {}
 
@@ -216,5 +229,14 @@ def tensor_parallel_part(model: nn.Module) -> TensorParallelParts | None:
     that matches and has one), or ``None``."""
     for adapter in reversed(_ADAPTERS.values()):
         if isinstance(adapter, TensorParallelParts) and adapter.matches(model):
+            return adapter
+    return None
+
+
+def initializer_part(model: nn.Module) -> InitializerPart | None:
+    """The initialiser part of the adapter of ``model``'s family (the latest registered that
+    matches and has one), or ``None``."""
+    for adapter in reversed(_ADAPTERS.values()):
+        if isinstance(adapter, InitializerPart) and adapter.matches(model):
             return adapter
     return None

@@ -19,12 +19,11 @@ random ones, gives the tile the distribution the initialiser gives the parameter
 that need the whole value (``nn.init.orthogonal_``, ``trunc_normal_``'s rejection sampling, a
 ``copy_`` from a computed tensor) are refused, naming the parameter.
 
-The initialiser is the one registered by an integration for the module's family
-(:func:`register_initializer`; the Hugging Face integration registers the model's own weight
-initialisation), else each submodule's ``reset_parameters()``, children first (as
-``Module.apply``). The registry is written when an integration is imported and read
-afterwards. Ranks that are threads of one process may pass the same module: one at a time
-swaps its parameters for stand-ins (a lock held while the initialiser runs on them).
+The initialiser is the one the model adapter of the module's family gives
+(:class:`pshard._modules.adapter.InitializerPart`; the Hugging Face integration's is the
+model's own weight initialisation), else each submodule's ``reset_parameters()``, children
+first (as ``Module.apply``). Ranks that are threads of one process may pass the same module:
+one at a time swaps its parameters for stand-ins (a lock held while the initialiser runs).
 """
 
 from __future__ import annotations
@@ -45,14 +44,13 @@ from .._compat import TorchDispatchMode, make_subclass, reparametrized, storage_
 from .._core.global_tensor import GlobalMeta, GlobalTensor, block_runs, mesh_key
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe, tree_flatten
+from .._modules.adapter import initializer_part
 from .._runtime.mesh import mesh_for
 from .._shard_map.global_ops import global_spec
 
 __all__ = [
     "TILE",
-    "Initializer",
     "init_sharded",
-    "register_initializer",
     "tile_seed",
     "tile_shape",
 ]
@@ -65,24 +63,9 @@ TILE = 1 << 16
 Box = tuple[range, ...]
 
 
-#: How a family of modules initialises its parameters: given the module, a function that
-#: writes every parameter in place (run once, on stand-ins), or ``None`` when the module is not
-#: of this family.
-Initializer = Callable[[nn.Module], Callable[[], None] | None]
-
-
-# initialiser name -> initialiser; written when an integration is imported, read afterwards
-_INITIALIZERS: dict[str, Initializer] = {}
-
 # held while a module's parameters are swapped for stand-ins (ranks that are threads of one
 # process may pass the same module)
 _SWAPPING = threading.Lock()
-
-
-def register_initializer(name: str, initializer: Initializer) -> None:
-    """Register the initialiser of a family of modules (replacing one of the same name)."""
-    _INITIALIZERS.pop(name, None)
-    _INITIALIZERS[name] = initializer
 
 
 def _reset_all(module: nn.Module) -> Callable[[], None]:
@@ -98,10 +81,10 @@ def _reset_all(module: nn.Module) -> Callable[[], None]:
 
 
 def _initializer(module: nn.Module) -> tuple[str, Callable[[], None]]:
-    for name, find in reversed(_INITIALIZERS.items()):
-        run = find(module)
-        if run is not None:
-            return name, run
+    part = initializer_part(module)
+    run = part.initializer(module) if part is not None else None
+    if part is not None and run is not None:
+        return getattr(part, "name", type(part).__name__), run
     return "reset_parameters", _reset_all(module)
 
 

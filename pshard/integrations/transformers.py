@@ -58,7 +58,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._modules.adapter import AttentionHeads, PreparedCall, Reduce, register_adapter
-from .._state.init import register_initializer
 from ..sequence._lm import (
     ATTENTION_MASK,
     IGNORE_INDEX,
@@ -267,6 +266,31 @@ class TransformersAdapter:
             output["loss"] = reduce(loss, "output['loss']")
         return output
 
+    # ------------------------------------------------------------- init_sharded
+
+    def initializer(self, model: nn.Module) -> Callable[[], None] | None:
+        """For :func:`pshard.init_sharded`: a Hugging Face model's own weight initialisation
+        (``initialize_weights``: its ``_init_weights`` on every module, children first, as
+        ``from_config`` runs it), with the modules' "already initialised" flags cleared for the
+        run and put back after it."""
+        initialize = getattr(model, "initialize_weights", None)
+        if not (self.matches(model) and callable(initialize)):
+            return None
+
+        def run() -> None:
+            modules = list(model.modules())
+            flags = {id(m): m.__dict__.pop("_is_hf_initialized") for m in modules
+                     if "_is_hf_initialized" in m.__dict__}  # fmt: skip
+            try:
+                initialize()
+            finally:
+                for m in modules:
+                    m.__dict__.pop("_is_hf_initialized", None)
+                    if id(m) in flags:
+                        m.__dict__["_is_hf_initialized"] = flags[id(m)]
+
+        return run
+
     # ------------------------------------------------------------- tensor parallelism
 
     def tensor_parallel_plan(
@@ -439,29 +463,4 @@ def _split_vocabulary_loss(axis: str) -> Callable[..., torch.Tensor]:
     return loss
 
 
-def _initializer(model: nn.Module) -> Callable[[], None] | None:
-    """For :func:`pshard.init_sharded`: a Hugging Face model's own weight initialisation
-    (``initialize_weights``: its ``_init_weights`` on every module, children first, as
-    ``from_config`` runs it), with the modules' "already initialised" flags cleared for the run
-    and put back after it."""
-    initialize = getattr(model, "initialize_weights", None)
-    if not (TransformersAdapter().matches(model) and callable(initialize)):
-        return None
-
-    def run() -> None:
-        modules = list(model.modules())
-        flags = {id(m): m.__dict__.pop("_is_hf_initialized") for m in modules
-                 if "_is_hf_initialized" in m.__dict__}  # fmt: skip
-        try:
-            initialize()
-        finally:
-            for m in modules:
-                m.__dict__.pop("_is_hf_initialized", None)
-                if id(m) in flags:
-                    m.__dict__["_is_hf_initialized"] = flags[id(m)]
-
-    return run
-
-
 register_adapter(TransformersAdapter())
-register_initializer("transformers", _initializer)
