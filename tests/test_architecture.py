@@ -27,7 +27,7 @@ def test_import_graph_follows_the_layers() -> None:
 
 def test_checker_finds_an_upward_import_and_private_names(tmp_path, monkeypatch) -> None:
     """The checker is not vacuous: a core module importing the runtime, a private name imported
-    across modules and a private torch API used outside ``pshard/_compat.py`` are reported."""
+    across modules and a private torch API used outside ``pshard/_compat/`` are reported."""
     checker = _checker()
     package = tmp_path / "pshard"
     (package / "_core").mkdir(parents=True)

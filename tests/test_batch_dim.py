@@ -454,7 +454,9 @@ def test_tracing_failure_error(body, exc):
     assert message.endswith(
         "Batch-dim analysis cannot follow data-dependent Python control flow (`if tensor:`), "
         "`.item()`, `.tolist()` or ops whose output shape depends on values (nonzero, boolean "
-        "masks); pass out_specs explicitly"
+        "masks); pass out_specs explicitly: out_specs=ps.Partial('mean') for a mean loss and "
+        "its gradients (token-weighted with weight_fn), ps.Partial('sum') for sums, "
+        "ps.Shard(0) for outputs that keep the batch dim, or a tree of them"
     )
     assert type(info.value.__cause__).__name__ == exc
 
@@ -480,8 +482,11 @@ def test_specialised_batch_size_error():
     assert str(info.value) == (
         f"infer_out_specs(pinned): the function only works for one batch size: tracing it with "
         f"a symbolic batch size B forced B == {start} (by a Python loop over the batch dim, "
-        f"`unbind`, or combining the batch dim with a dim of that fixed size); batch-dim "
-        f"analysis cannot follow it: pass out_specs explicitly"
+        f"`unbind`, or combining the batch dim with a dim of that fixed size, as Hugging Face "
+        f"models do); batch-dim analysis cannot follow it: pass out_specs explicitly: "
+        f"out_specs=ps.Partial('mean') for a mean loss and its gradients (token-weighted with "
+        f"weight_fn), ps.Partial('sum') for sums, ps.Shard(0) for outputs that keep the batch "
+        f"dim, or a tree of them"
     )
 
 

@@ -12,7 +12,7 @@ Rules (docs/architecture.md):
 4. ``pshard/_core`` is pure: it never imports ``torch.distributed`` beyond DTensor's placement
    types.
 5. ``pshard/__init__.py`` only re-exports: imports, ``__all__`` and ``__version__``.
-6. Private torch APIs only in ``pshard/_compat.py``: no other module imports a private torch
+6. Private torch APIs only in ``pshard/_compat/``: no other module imports a private torch
    module (``torch._C``, ``torch.utils._pytree``) or reads ``torch._name``.
 """
 
@@ -115,7 +115,7 @@ def check() -> list[str]:
             if room == "pshard._core" and target.startswith("torch.distributed"):
                 if not target.startswith(_CORE_MAY_IMPORT):
                     problems.append(f"{where}: the core imports {target} (rule 4)")
-            if module != "pshard._compat" and _private_torch(target, imported):
+            if room != "pshard._compat" and _private_torch(target, imported):
                 problems.append(f"{where}: imports the private torch API {target} (rule 6)")
             if not (target == "pshard" or target.startswith("pshard.")):
                 continue
@@ -134,7 +134,7 @@ def check() -> list[str]:
             private = [n for n in imported if n.startswith("_") and not n.startswith("__")]
             if private and dest != module:
                 problems.append(f"{where}: imports private names {private} from {dest} (rule 3)")
-        if module != "pshard._compat":
+        if room != "pshard._compat":
             problems += _private_torch_attributes(path, rel)
     problems += _cycles(graph)
     problems += _init_only_reexports(PACKAGE / "__init__.py")

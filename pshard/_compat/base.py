@@ -1,0 +1,344 @@
+"""The private torch APIs of functorch, autograd, dispatch and c10d's registry that pshard
+uses (see :mod:`pshard._compat`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.utils._pytree as _torch_pytree
+from torch._C import _functorch
+from torch._functorch.pyfunctorch import coerce_cinterpreter as _coerce_interpreter
+from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+from torch._ops import OpOverload
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
+
+__all__ = [
+    "OpOverload",
+    "TorchDispatchMode",
+    "aten_op",
+    "completed_work",
+    "constant_source",
+    "dcp_metadata_classes",
+    "default_store",
+    "fake_mode_active",
+    "fake_tensor_types",
+    "flattened_group",
+    "foreach",
+    "forward_ad_active",
+    "get_attr_key",
+    "graph_task_id",
+    "group_count",
+    "innermost",
+    "is_batched",
+    "is_fake",
+    "is_wrapped",
+    "level_of",
+    "live_wrapper",
+    "lowered",
+    "make_subclass",
+    "outside_transforms",
+    "queue_backward_callback",
+    "register_torch_pytree",
+    "reparametrized",
+    "resolve_group",
+    "storage_key",
+    "strided_shard_type",
+    "top_transform",
+    "tracing",
+    "transforms",
+    "transforms_active",
+    "unwrap_dead",
+    "unwrap_dead_tensor",
+    "unwrap_level",
+    "wrap_level",
+]
+
+
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+def is_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is wrapped by a ``torch.func`` transform (a grad, batched or dual tensor)."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def innermost(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under every ``torch.func`` wrapper of ``t`` (``t`` itself when unwrapped):
+    where in-place writes under a transform move the version counter."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def unwrap_dead(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with the wrappers of transforms that have exited removed (what
+    ``torch.autograd.Function.apply`` does to its arguments)."""
+    return tuple(_unwrap_dead_wrappers(args))
+
+
+@contextlib.contextmanager
+def outside_transforms() -> Iterator[None]:
+    """Run the block as if no ``torch.func`` transform were active (a trace whose answer must
+    not depend on the transforms calling it)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    with temporarily_clear_interpreter_stack():
+        yield
+
+
+def graph_task_id() -> int:
+    """The id of the backward pass running in this thread; negative outside one."""
+    return int(torch._C._current_graph_task_id())
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Have the autograd engine call ``callback`` when the running backward pass succeeds."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def aten_op(name: str) -> Any:
+    """The ``torch.ops.aten`` op ``name`` (a private kernel entry point), or ``None`` where
+    this torch build lacks it."""
+    return getattr(torch.ops.aten, name, None)
+
+
+def foreach(name: str) -> Callable[..., Any]:
+    """torch's multi-tensor kernel ``torch._foreach_<name>`` (what ``torch.optim``'s foreach
+    paths run: one call over a list of tensors of one device and dtype)."""
+    return cast(Callable[..., Any], getattr(torch, f"_foreach_{name}"))
+
+
+def make_subclass(cls: type[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an instance of the tensor subclass ``cls`` (the same storage; no grad)."""
+    return torch.Tensor._make_subclass(cls, t, False)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage, shared by its views and aliases (``.data``, ``detach``) and
+    distinct for separately made tensors, meta tensors included (whose data pointers are all
+    0); valid while the storage lives."""
+    return int(t.untyped_storage()._cdata)
+
+
+def strided_shard_type() -> Any:
+    """DTensor's ``_StridedShard`` placement class (the FSDP2 + TP layout)."""
+    from torch.distributed.tensor import placement_types
+
+    return placement_types._StridedShard
+
+
+def flattened_group(mesh: Any) -> Any:
+    """The process group of a ``DeviceMesh`` (a slice of several axes) flattened into one axis;
+    DeviceMesh caches the flattened mesh on its root, so the group is created once."""
+    return mesh._flatten().get_group()
+
+
+def dcp_metadata_classes() -> dict[str, frozenset[str]]:
+    """module -> the names DCP's pickled ``.metadata`` file refers to (its metadata classes,
+    some private), for an unpickler that builds those and nothing else."""
+    return {
+        "torch.distributed.checkpoint.metadata": frozenset(
+            {
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            }
+        ),
+        "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+        "torch.serialization": frozenset({"_get_layout"}),
+    }
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def resolve_group(name: str) -> Any:
+    """The process group registered under ``name`` (``ProcessGroup.group_name``)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(cast("GroupName", name))
+
+
+def group_count() -> int:
+    """How many process groups this process has created so far (``0`` before the first)."""
+    from torch.distributed import distributed_c10d
+
+    return int(getattr(getattr(distributed_c10d, "_world", None), "group_count", 0))
+
+
+def fake_tensor_types() -> tuple[type, type]:
+    """``(FakeTensor, FakeTensorMode)``."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    return FakeTensor, FakeTensorMode
+
+
+def constant_source(name: str) -> Any:
+    """A dynamo ``ConstantSource`` for a symbolic size made by hand."""
+    from torch._dynamo.source import ConstantSource
+
+    return ConstantSource(name)
+
+
+def register_torch_pytree(
+    cls: type,
+    flatten: Callable[[Any], tuple[list[Any], Any]],
+    unflatten: Callable[[Any, Any], Any],
+    flatten_with_keys: Callable[[Any], tuple[list[tuple[Any, Any]], Any]],
+    serialized_type_name: str,
+) -> None:
+    """Register ``cls`` as a node of ``torch.utils._pytree`` (what ``torch.func`` flattens)."""
+    _torch_pytree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,
+        serialized_type_name=serialized_type_name,
+        flatten_with_keys_fn=flatten_with_keys,
+    )
+
+
+def get_attr_key(name: str) -> Any:
+    """torch pytree's key for an attribute of a node (``GetAttrKey``), as key paths show it."""
+    from torch.utils._pytree import GetAttrKey
+
+    return GetAttrKey(name)
+
+
+_KINDS = {
+    _functorch.TransformType.Grad: "grad",
+    _functorch.TransformType.Jvp: "jvp",
+    _functorch.TransformType.Vmap: "vmap",
+    _functorch.TransformType.Functionalize: "functionalize",
+}
+
+
+def tracing(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether this runs in a trace rather than for real: dynamo compiling, a fake-tensor,
+    proxy or functionalization mode active, or fake tensors given."""
+    if torch.compiler.is_compiling():
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    for key in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL):
+        if torch._C._get_dispatch_mode(key) is not None:
+            return True
+    return any(is_fake(t) for t in tensors)
+
+
+def fake_mode_active() -> bool:
+    """Whether a fake-tensor or proxy (``make_fx``) mode is active."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY))
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (shapes without data, as tracers make)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def transforms() -> list[tuple[str, int]]:
+    """The running ``torch.func`` transforms, outermost first: ``("grad" | "jvp" | "vmap" |
+    "functionalize", level)``."""
+    stack = _functorch.get_interpreter_stack() or []
+    return [(_KINDS.get(ci.key(), "other"), ci.level()) for ci in stack]
+
+
+def top_transform() -> tuple[str, int] | None:
+    """The innermost running transform as ``(kind, level)``, or ``None``."""
+    ci = _functorch.peek_interpreter_stack()
+    return None if ci is None else (_KINDS.get(ci.key(), "other"), ci.level())
+
+
+def forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open (forward mode outside
+    ``torch.func``)."""
+    from torch.autograd import forward_ad
+
+    return bool(getattr(forward_ad, "_current_level", -1) >= 0)
+
+
+def level_of(t: torch.Tensor) -> int:
+    """The level of the outermost functorch wrapper of ``t`` (-1 for a plain tensor)."""
+    level = _functorch.maybe_get_level(t)
+    return -1 if level is None else int(level)
+
+
+def live_wrapper(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a functorch wrapper of a transform that is still running."""
+    dead = _functorch.is_dead_tensor_wrapper(t)  # type: ignore[attr-defined]
+    return bool(_functorch.is_functorch_wrapped_tensor(t)) and not bool(dead)
+
+
+def is_batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``vmap`` BatchedTensor."""
+    return bool(_functorch.is_batchedtensor(t))
+
+
+def unwrap_dead_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the wrappers of transforms that have returned (a ``vjp``'s saved values
+    when its ``vjp_fn`` runs)."""
+    return _functorch.unwrap_if_dead(t)
+
+
+def unwrap_level(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` seen from below the ``grad``/``jvp`` transform ``level`` (``t`` itself when it is not
+    wrapped at that level)."""
+    return _functorch._unwrap_for_grad(t, level)
+
+
+def wrap_level(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` as a value of the ``grad``/``jvp`` transform ``level``, with no history there."""
+    return _functorch._wrap_for_grad(t, level)
+
+
+@contextlib.contextmanager
+def lowered() -> Iterator[None]:
+    """Run the body with the innermost transform taken off the stack, as functorch itself does
+    when it hands an operation to the next transform (the grad mode outside a ``grad`` that was
+    entered under ``torch.no_grad`` is restored with it)."""
+    ci = _functorch.peek_interpreter_stack()
+    if ci is None:
+        yield
+        return
+    with _coerce_interpreter(ci).lower():
+        yield
+
+
+@contextlib.contextmanager
+def reparametrized(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block, ``module``'s parameters and buffers named in ``tensors`` are those
+    tensors (as in ``torch.func.functional_call``)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(module, dict(tensors), tie_weights=False, strict=False):
+        yield
+
+
+def completed_work(tensors: Sequence[torch.Tensor]) -> Any:
+    """A finished ``torch.distributed`` Work whose result is ``tensors``, as a c10d operator
+    returns it (the TorchScript object)."""
+    from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
+        _create_work_from_future,
+    )
+
+    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    fut.set_result(list(tensors))
+    return _create_work_from_future(fut).boxed()
