@@ -846,10 +846,10 @@ def test_a_recompute_that_differs_in_a_scalar_is_an_error() -> None:
         return h * torch.full_like(h, calls[0])
 
     texts = {
-        scaled: "the forward ran aten.mul.Tensor on ((2, 3) float64) (operation 4 of 4), which "
+        scaled: "the forward ran aten.mul.Tensor on ((2, 3) float64) (operation 3 of 3), which "
         "the recompute did not; it ran it with other=2 where the forward had other=1",
         filled: "the forward ran aten.mul.Tensor on ((2, 3) float64, (2, 3) float64) (operation "
-        "4 of 4), which the recompute did not; it ran it with other a new tensor filled with 2 "
+        "3 of 3), which the recompute did not; it ran it with other a new tensor filled with 2 "
         "where the forward had other a new tensor filled with 1",
     }
     for f, text in texts.items():
@@ -886,7 +886,9 @@ def test_a_recompute_that_differs_in_a_scalar_is_an_error() -> None:
     scale, table = randn(3), randn(3, 30)  # known by value, by identity and version
     _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w) * scale), W, X)
     scale.mul_(-1)
-    text = f"it ran it with other a tensor of values [{', '.join(map(repr, scale.tolist()))}]"
+    text = (
+        f"it ran it with other a float64 tensor of values [{', '.join(map(repr, scale.tolist()))}]"
+    )
     with pytest.raises(ValueError, match=re.escape(text)):
         pull(torch.ones(2, 3, dtype=f64))
     _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w) @ table), W, X)
@@ -972,7 +974,7 @@ def test_state_carried_from_the_forward_into_the_recompute_is_named() -> None:
             return k.sum(0)
 
         text = (
-            "The tensor from outside that the recompute read is the output of operation 4 of "
+            "The tensor from outside that the recompute read is the output of operation 3 of "
             "its forward (aten.cat.default), kept outside the function (in a cache, a list or "
             "an attribute it writes)"
         )

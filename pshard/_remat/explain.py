@@ -103,7 +103,7 @@ def _source(source: Any) -> str:
     if tag == "c":
         values = list(source[3])
         shown = ", ".join(map(repr, values[:8])) + (", ..." if len(values) > 8 else "")
-        return f"a tensor of values [{shown}]"
+        return f"a {str(source[2]).removeprefix('torch.')} tensor of values [{shown}]"
     if tag == "x":
         return f"a tensor from outside (version {source[2]})"
     if tag == "zero":

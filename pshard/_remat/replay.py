@@ -278,13 +278,18 @@ class Replayer(compat.TorchDispatchMode):
                 leaves.append(value)
         return optree.tree_unflatten(entry.spec, leaves), fresh
 
-    def finish(self, outputs: Sequence[torch.Tensor], *, vmapped: bool) -> None:
-        """Check that the recompute ran the forward's program (see the module docs)."""
+    def finish(
+        self, outputs: Sequence[torch.Tensor], *, vmapped: bool, cause: str | None = None
+    ) -> None:
+        """Check that the recompute ran the forward's program (see the module docs); ``cause``:
+        a global mode that changed since the forward (:func:`pshard._remat.modes.changed`),
+        named in the error."""
         tape = self.tape
         if vmapped or tape.vmapped:
             return
+        mode = "" if cause is None else f" The {cause}."
         if self._changed is not None:
-            raise ValueError(self._changed)
+            raise ValueError(self._changed if cause is None else f"{self._changed}.{mode}")
         instead = f"; it ran {self._unmatched} instead" if self._unmatched else ""
         carried = ""
         if self._carried is not None:
@@ -314,7 +319,7 @@ class Replayer(compat.TorchDispatchMode):
                 f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                 f"forward: the forward ran {entry.text} (operation {j + 1} of "
                 f"{len(tape.entries)}), which the recompute did not"
-                f"{instead if differs is None else f'; it ran it with {differs}'}{carried}. "
+                f"{instead if differs is None else f'; it ran it with {differs}'}{carried}.{mode} "
                 f"{advice}"
             )
         for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
@@ -322,7 +327,7 @@ class Replayer(compat.TorchDispatchMode):
                 raise ValueError(
                     f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                     f"forward: its output {i} ({tuple(t.shape)}, {t.dtype}) was computed "
-                    f"differently{instead}{carried}. {advice}"
+                    f"differently{instead}{carried}.{mode} {advice}"
                 )
 
     def close(self) -> None:

@@ -339,11 +339,14 @@ class Recorder(compat.TorchDispatchMode):
     :func:`pshard.checkpoint_name` for this forward.
     """
 
-    def __init__(self, tape: Tape, inputs: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, tape: Tape, inputs: Sequence[torch.Tensor], needs: Sequence[bool] | None = None
+    ) -> None:
         super().__init__()
         self.tape = tape
         self._sources = Sources(inputs)
         self._inputs = list(inputs)
+        self._needs = [t.requires_grad for t in inputs] if needs is None else list(needs)
         self._input_storage = {storage(t): i for i, t in enumerate(inputs)}
         self._input_storage.pop(None, None)
         self._writer: dict[int, int] = {}  # storage -> entry that last wrote it
@@ -411,6 +414,10 @@ class Recorder(compat.TorchDispatchMode):
             entry.saved, entry.held = True, outs
         return out
 
+    def knows(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is an input of this forward or an output of one of its operations."""
+        return not is_outside(self._sources.get(t))
+
     def _ask(self, op: Any, *args: Any, **kwargs: Any) -> bool:
         if self.tape.error is not None:
             return False
@@ -439,7 +446,7 @@ class Recorder(compat.TorchDispatchMode):
             i = self._input_storage.get(storage(t))
             if i is None or i in self.tape.written_inputs:
                 continue
-            if self._inputs[i].requires_grad:
+            if self._needs[i]:
                 raise ValueError(
                     f"ps.checkpoint: {self.tape.name} writes its argument {i} in place (a "
                     f"tensor of shape {tuple(self._inputs[i].shape)}, with {func}) and that "
@@ -510,7 +517,7 @@ class Recorder(compat.TorchDispatchMode):
             entry.refs, entry.held, entry.named = [], None, None
         self._sources = Sources(())
         self._writer.clear()
-        self._inputs = []
+        self._inputs, self._needs = [], []
         self._input_storage.clear()
 
 
