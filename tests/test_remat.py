@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import functools
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -181,6 +182,55 @@ def test_nested_checkpoints() -> None:
 
     for name in ("grad", "hessian", "jvp_grad", "vmap_grad", "grad_grad", "double_backward"):
         close(TRANSFORMS[name](g), TRANSFORMS[name](plain))
+
+
+# Nesting with different policies: each level's recompute runs the level below again and must
+# replay what that level kept rather than take it for another path. The layer has no residual
+# (its output is not only summed) and names its product; the policies are the four ways a level
+# can treat it (``save_only_these_names("h")`` and ``offload(dots_saveable)`` keep what
+# ``dots_saveable`` keeps here).
+NESTED_POLICIES = {
+    "nothing": None,
+    "dots": cp.dots_saveable,
+    "all_but_h": cp.save_anything_except_these_names("h"),
+    "everything": cp.everything_saveable,
+}
+
+
+def _nested_layer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(checkpoint_name(x @ w, "h"))
+
+
+def _two_levels(outer: Any, inner: Any) -> Callable:
+    """A checkpoint of each layer inside a checkpoint of the whole."""
+    layer = checkpoint(_nested_layer, policy=inner)
+    return checkpoint(lambda w, x: layer(w, layer(w, x)), policy=outer)
+
+
+def _three_levels(middle: Any, inner: Any) -> Callable:
+    """A checkpoint (default policy) around ``checkpoint(block, policy=middle)``, where ``block``
+    runs the layer checkpointed with ``inner``, checkpointed with the default, and as it is."""
+
+    def block(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(_nested_layer, policy=inner)(w, x)
+        x = checkpoint(_nested_layer)(w, x)
+        return _nested_layer(w, x)
+
+    return checkpoint(checkpoint(block, policy=middle))
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_nested_checkpoints_with_every_pair_of_policies(transform: str, levels: int) -> None:
+    def plain(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(levels):
+            x = _nested_layer(w, x)
+        return x
+
+    build = _two_levels if levels == 2 else _three_levels
+    want = TRANSFORMS[transform](plain)
+    for outer, inner in itertools.product(NESTED_POLICIES.values(), repeat=2):
+        close(TRANSFORMS[transform](build(outer, inner)), want)
 
 
 # --- what is recomputed -------------------------------------------------------------------------
