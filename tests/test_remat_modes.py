@@ -161,3 +161,15 @@ def test_a_default_dtype_changed_before_the_backward_is_named() -> None:
                 loss.backward()
         finally:
             torch.set_default_dtype(dtype)
+
+
+def test_saved_tensor_hooks_are_refused_in_the_forward() -> None:
+    """torch.func refuses saved-tensor hooks; the forward, which runs in a torch.func level as
+    the recompute does, says so where they are (it raised in the backward, with torch's text)."""
+    w, x = torch.randn(3, 3, requires_grad=True), torch.randn(2, 3)
+    text = (
+        "<lambda> runs its forward and its recompute inside a torch.func level, which does not "
+        "support saved tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu)"
+    )
+    with torch.autograd.graph.save_on_cpu(), pytest.raises(RuntimeError, match=re.escape(text)):
+        checkpoint(lambda w, x: torch.tanh(x @ w))(w, x)

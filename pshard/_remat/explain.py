@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from .tape import arg_paths
+
 __all__ = ["difference", "draw_difference"]
 
 
@@ -25,7 +27,7 @@ def difference(op: Any, forward: Hashable, recompute: Hashable) -> str | None:
         return None
     if forward[0] is not recompute[0] or forward[1] != recompute[1]:
         return None
-    paths = forward[1].paths()
+    paths = arg_paths(forward[1])
     for path, before, after in zip(paths, forward[2], recompute[2], strict=True):
         if before == after:
             continue

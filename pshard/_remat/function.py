@@ -35,7 +35,7 @@ from .lift import Lifted
 from .names import NAMER
 from .policies import Policy
 from .replay import Replayer
-from .tape import Recorder, Tape
+from .tape import Recorder, Tape, flat_call
 
 __all__ = ["Call", "flatten"]
 
@@ -74,19 +74,21 @@ class _ClosureGuard(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         levels = None
-        leaves: list[Any] = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)  # type: ignore[arg-type]
-        for x in leaves:
+        for x in flat_call(args, kwargs)[0]:
+            if not isinstance(x, torch.Tensor) or not compat.is_wrapped(x):
+                continue
+            level = compat.level_of(x)
+            if level in self.own and self._known(compat.innermost(x)):
+                continue  # the function's own (the common case: checked first)
             if (
-                isinstance(x, torch.Tensor)
-                and (x.is_floating_point() or x.is_complex())  # integers have no derivative
-                and compat.live_wrapper(x)
-                and not compat.is_batched(x)
+                not (x.is_floating_point() or x.is_complex())  # integers have no derivative
+                or not compat.live_wrapper(x)
+                or compat.is_batched(x)
             ):
-                if levels is None:
-                    levels = {level for _, level in compat.transforms()} - self.own
-                level = compat.level_of(x)
-                if level in self.own and self._known(compat.innermost(x)) or level in levels:
-                    continue
+                continue
+            if levels is None:
+                levels = {level for _, level in compat.transforms()} - self.own
+            if level not in levels:
                 raise ValueError(
                     f"ps.checkpoint: {self._name} reads a tensor of an enclosing "
                     f"torch.func transform (shape {tuple(x.shape)}, {x.dtype}) without "
@@ -210,33 +212,24 @@ class Call:
         whose primals are the inputs that need a gradient (the backward's recompute), or
         without them a ``jvp``'s where nothing has a tangent (the recompute of a ``jvp``)."""
         diff = [i for i, n in enumerate(needs) if n]
-
-        def run(*primals: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        grad = torch.enable_grad() if diff else contextlib.nullcontext()  # below the level too,
+        # where the recorder looks for closures over tensors that require grad
+        with _no_hooks(self.name), grad, compat.new_level("grad" if diff else "jvp") as level:
             # every input a value of the level, so that the function may also write in place
             # those that need no gradient (a BatchNorm's running statistics: a level refuses
             # writes to tensors from outside it)
-            level = compat.level_of(primals[0])
             ys = [compat.wrap_level(x, level) for x in xs]
-            for i, p in zip(diff, primals[: len(diff)], strict=True):
-                ys[i] = p
+            for i in diff:
+                ys[i] = compat.mark_differentiable(ys[i])
             if guard is not None:
                 guard.own.add(level)
-            with recorder, guard or contextlib.nullcontext():
-                outs = self._outputs(self._body_forward(ys))
-            return primals[0], tuple(outs)  # the outputs come back unwrapped as the aux
-
-        result: Any
-        try:
-            if diff:  # with grad below the level too, where the recorder looks for closures
-                with torch.enable_grad():
-                    result = torch.func.vjp(run, *[xs[i] for i in diff], has_aux=True)
-            else:
-                nothing = torch.zeros(())
-                result = torch.func.jvp(run, (nothing,), (nothing,), has_aux=True)
-        finally:
-            if guard is not None:
-                guard.own.clear()
-        return list(result[2])  # the aux
+            try:
+                with recorder, guard or contextlib.nullcontext():
+                    outs = self._outputs(self._body_forward(ys))
+            finally:
+                if guard is not None:
+                    guard.own.discard(level)
+            return [compat.unwrap_level(t, level) for t in outs]
 
     def _body_forward(self, xs: Sequence[torch.Tensor]) -> Any:
         try:
@@ -349,17 +342,32 @@ class Call:
         if not diff or not self.float_outputs:
             return result
 
-        def run(*primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return self._run(inputs, kept, diff, primals)
-
         def pull() -> None:
-            vjp_fn = torch.func.vjp(run, *[inputs[i] for i in diff])[1]
-            cot = tuple(self._zero_if_none(grads[k], k) for k in self.float_outputs)
-            # called once, so its graph (the recompute) goes as it is walked; a graph of this
-            # backward itself only when something outside will differentiate it
-            graph = _differentiated([*inputs, *grads])
-            for i, g in zip(diff, vjp_fn(cot, retain_graph=False, create_graph=graph), strict=True):
-                result[i] = g
+            # torch.func.vjp's steps, without its pytree handling of 13 primals and their
+            # outputs (a tenth of a millisecond each call): the recompute at a new grad level
+            # whose primals are the differentiated inputs, then autograd over it once it exited
+            with _no_hooks(self.name), compat.new_level("grad") as level, torch.enable_grad():
+                primals = [
+                    compat.mark_differentiable(compat.wrap_level(inputs[i], level)) for i in diff
+                ]
+                outs = self._run(inputs, kept, diff, primals)
+            cot = [self._zero_if_none(grads[k], k) for k in self.float_outputs]
+            pairs = [(o, c) for o, c in zip(outs, cot, strict=True) if o.requires_grad]
+            if not pairs:
+                pulled: Sequence[torch.Tensor | None] = [None] * len(primals)
+            else:
+                # called once, so its graph (the recompute) goes as it is walked; a graph of
+                # this backward itself only when something outside will differentiate it
+                pulled = torch.autograd.grad(
+                    [o for o, _ in pairs],
+                    primals,
+                    [c for _, c in pairs],
+                    retain_graph=False,
+                    create_graph=_differentiated([*inputs, *grads]),
+                    allow_unused=True,
+                )
+            for i, p, g in zip(diff, primals, pulled, strict=True):
+                result[i] = torch.zeros_like(p) if g is None else g
 
         self.context.copy().run(pull)
         return result
@@ -407,6 +415,17 @@ class Call:
         for k in self.float_outputs:
             result[k] = self._zero_if_none(result[k], k)
         return result
+
+
+def _no_hooks(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Saved-tensor hooks refused in a forward or recompute at a ``torch.func`` level, as
+    ``torch.func`` refuses them."""
+    return torch.autograd.graph.disable_saved_tensors_hooks(
+        f"ps.checkpoint: {name} runs its forward and its recompute inside a torch.func level, "
+        f"which does not support saved tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
+        f"save_on_cpu); leave them out of the checkpointed call, or keep what they would move "
+        f"with a policy (ps.checkpoint_policies.offload keeps values in CPU memory)"
+    )
 
 
 def _shapes(meta: Sequence[tuple[torch.Size, torch.dtype]]) -> str:
