@@ -149,8 +149,8 @@ class Replayer(compat.TorchDispatchMode):
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
             return run_factory(self._sources, func, args, kwargs)
-        key, tensors = key_of(func, leaves, spec, self._sources, None)
-        if self._carried is None:
+        key, tensors, srcs = key_of(func, leaves, spec, self._sources, None)
+        if self._carried is None and any(is_outside(src) for src in srcs):
             self._carried = self._carried_from_forward(tensors)
         content = key
         if kind == "random":

@@ -324,23 +324,26 @@ def traced(leaves: Sequence[Any]) -> bool:
 
 def key_of(
     op: Any, leaves: Sequence[Any], spec: Any, sources: Sources, extra: Any
-) -> tuple[Hashable, list[torch.Tensor]]:
-    """The key of a call (see the module docs) from its :func:`flat_call`, and its tensors."""
+) -> tuple[Hashable, list[torch.Tensor], list[Hashable | None]]:
+    """The key of a call (see the module docs) from its :func:`flat_call`, its tensors and
+    their sources (``None`` for a tensor not seen before)."""
     parts: list[Hashable] = []
     tensors: list[torch.Tensor] = []
+    srcs: list[Hashable | None] = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
+            src = sources.get(x)
+            srcs.append(src)
             if not (x.is_floating_point() or x.is_complex()):
                 parts.append(("int", x.shape, x.dtype))  # known by its place, see the docs
                 continue
-            src = sources.get(x)
             parts.append((_outside(x) if src is None else src, x.shape, x.dtype))
         elif x is None or isinstance(x, (*_SIMPLE, _MEMORY_FORMAT)):
             parts.append(x)
         else:
             parts.append(type(x).__qualname__)
-    return (op, spec, tuple(parts), extra), tensors
+    return (op, spec, tuple(parts), extra), tensors, srcs
 
 
 def _template(
@@ -448,16 +451,17 @@ class Recorder(compat.TorchDispatchMode):
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
             return run_factory(self._sources, func, args, kwargs)
-        key, tensors = key_of(func, leaves, spec, self._sources, None)
+        key, tensors, srcs = key_of(func, leaves, spec, self._sources, None)
         content = key
         if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
             tape.rng = before_draw(tape.rng, args, kwargs)
             key = ("random", self._random)
             self._random += 1
-        if torch.is_grad_enabled():
-            self._closure(func, tensors)
+        if None in srcs and torch.is_grad_enabled():
+            self._closure(func, [t for t, src in zip(tensors, srcs, strict=True) if src is None])
         writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
-        self._before_writing(func, writes)
+        if writes:
+            self._before_writing(func, writes)
         out = func(*args, **kwargs)
         j = len(tape.entries)
         fresh: list[torch.Tensor] = []
@@ -465,19 +469,24 @@ class Recorder(compat.TorchDispatchMode):
         entry.key = key
         if kind == "random":
             entry.draw, entry.draw_key = draw_arguments(func, args, kwargs), content
-        entry.floating = any(t.is_floating_point() or t.is_complex() for t in [*tensors, *fresh])
-        entry.inputs = [self._sources.get(t) for t in tensors]
+        parts = key[2] if kind != "random" else content[2]  # type: ignore[index]
+        entry.floating = any(
+            isinstance(p, tuple) and len(p) == 3 and p[0] != "int" and isinstance(p[1], torch.Size)
+            for p in parts
+        ) or any(t.is_floating_point() or t.is_complex() for t in fresh)
+        entry.inputs = srcs
         entry.fresh_meta = [(t.shape, t.dtype, t.device) for t in fresh]
         tape.entries.append(entry)
         tape.index.setdefault(key, []).append(j)
-        for p, t in enumerate(tensors):
-            if not (t.is_floating_point() or t.is_complex()) and is_outside(entry.inputs[p]):
+        for p, (t, src) in enumerate(zip(tensors, srcs, strict=True)):
+            if src is not None and not is_outside(src):
+                continue
+            if not (t.is_floating_point() or t.is_complex()):
                 k = self._outside.setdefault(id(t), len(tape.outside))
                 if k == len(tape.outside):
                     tape.outside.append(t)
                 entry.outside.append((p, k))
-        for t in tensors:
-            if self._sources.get(t) is None:
+            if src is None and self._sources.get(t) is None:  # (a tensor given twice)
                 src = _outside(t)
                 self._sources.bind(t, src)
                 if src[0] == "x":  # type: ignore[index]
