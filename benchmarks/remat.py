@@ -31,7 +31,9 @@ most half of no remat's.
 
     python benchmarks/remat.py [--model mlp|decoder|all] [--device cpu|cuda] [--rounds 5]
 
-The CPU runs use 2 threads (``REMAT_THREADS``).
+The CPU runs use 2 threads (``REMAT_THREADS``). On a machine shared with other work, time the
+CPU time of the process rather than wall time (``REMAT_CLOCK=process``, best with
+``REMAT_THREADS=1``: idle threads waiting for work count as busy).
 """
 
 from __future__ import annotations
@@ -190,12 +192,16 @@ def child(model_name: str, variant: str, device: str, rounds: int) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    # wall time by default; CPU time of the process (REMAT_CLOCK=process) on a shared machine,
+    # where other programs' load moves wall times by more than the differences measured
+    clock = time.process_time if os.environ.get("REMAT_CLOCK") == "process" else time.perf_counter
+
     def timed(fn: Callable[[], Any]) -> float:
         sync()
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync()
-        return time.perf_counter() - start
+        return clock() - start
 
     def reset() -> None:  # no gradients left from an earlier step
         for p in leaves.values():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import functools
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -181,6 +182,55 @@ def test_nested_checkpoints() -> None:
 
     for name in ("grad", "hessian", "jvp_grad", "vmap_grad", "grad_grad", "double_backward"):
         close(TRANSFORMS[name](g), TRANSFORMS[name](plain))
+
+
+# Nesting with different policies: each level's recompute runs the level below again and must
+# replay what that level kept rather than take it for another path. The layer has no residual
+# (its output is not only summed) and names its product; the policies are the four ways a level
+# can treat it (``save_only_these_names("h")`` and ``offload(dots_saveable)`` keep what
+# ``dots_saveable`` keeps here).
+NESTED_POLICIES = {
+    "nothing": None,
+    "dots": cp.dots_saveable,
+    "all_but_h": cp.save_anything_except_these_names("h"),
+    "everything": cp.everything_saveable,
+}
+
+
+def _nested_layer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(checkpoint_name(x @ w, "h"))
+
+
+def _two_levels(outer: Any, inner: Any) -> Callable:
+    """A checkpoint of each layer inside a checkpoint of the whole."""
+    layer = checkpoint(_nested_layer, policy=inner)
+    return checkpoint(lambda w, x: layer(w, layer(w, x)), policy=outer)
+
+
+def _three_levels(middle: Any, inner: Any) -> Callable:
+    """A checkpoint (default policy) around ``checkpoint(block, policy=middle)``, where ``block``
+    runs the layer checkpointed with ``inner``, checkpointed with the default, and as it is."""
+
+    def block(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(_nested_layer, policy=inner)(w, x)
+        x = checkpoint(_nested_layer)(w, x)
+        return _nested_layer(w, x)
+
+    return checkpoint(checkpoint(block, policy=middle))
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_nested_checkpoints_with_every_pair_of_policies(transform: str, levels: int) -> None:
+    def plain(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(levels):
+            x = _nested_layer(w, x)
+        return x
+
+    build = _two_levels if levels == 2 else _three_levels
+    want = TRANSFORMS[transform](plain)
+    for outer, inner in itertools.product(NESTED_POLICIES.values(), repeat=2):
+        close(TRANSFORMS[transform](build(outer, inner)), want)
 
 
 # --- what is recomputed -------------------------------------------------------------------------
@@ -846,10 +896,10 @@ def test_a_recompute_that_differs_in_a_scalar_is_an_error() -> None:
         return h * torch.full_like(h, calls[0])
 
     texts = {
-        scaled: "the forward ran aten.mul.Tensor on ((2, 3) float64) (operation 4 of 4), which "
+        scaled: "the forward ran aten.mul.Tensor on ((2, 3) float64) (operation 3 of 3), which "
         "the recompute did not; it ran it with other=2 where the forward had other=1",
         filled: "the forward ran aten.mul.Tensor on ((2, 3) float64, (2, 3) float64) (operation "
-        "4 of 4), which the recompute did not; it ran it with other a new tensor filled with 2 "
+        "3 of 3), which the recompute did not; it ran it with other a new tensor filled with 2 "
         "where the forward had other a new tensor filled with 1",
     }
     for f, text in texts.items():
@@ -886,7 +936,9 @@ def test_a_recompute_that_differs_in_a_scalar_is_an_error() -> None:
     scale, table = randn(3), randn(3, 30)  # known by value, by identity and version
     _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w) * scale), W, X)
     scale.mul_(-1)
-    text = f"it ran it with other a tensor of values [{', '.join(map(repr, scale.tolist()))}]"
+    text = (
+        f"it ran it with other a float64 tensor of values [{', '.join(map(repr, scale.tolist()))}]"
+    )
     with pytest.raises(ValueError, match=re.escape(text)):
         pull(torch.ones(2, 3, dtype=f64))
     _, pull = vjp(checkpoint(lambda w, x: torch.tanh(x @ w) @ table), W, X)
@@ -972,7 +1024,7 @@ def test_state_carried_from_the_forward_into_the_recompute_is_named() -> None:
             return k.sum(0)
 
         text = (
-            "The tensor from outside that the recompute read is the output of operation 4 of "
+            "The tensor from outside that the recompute read is the output of operation 3 of "
             "its forward (aten.cat.default), kept outside the function (in a cache, a list or "
             "an attribute it writes)"
         )

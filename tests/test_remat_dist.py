@@ -198,3 +198,66 @@ def test_checkpointed_sequence_parallel_attention_is_exact(pool) -> None:
         for name, (y, g) in rank.items():
             assert _close(y, want), name
             assert _close(g, want_grads), name
+
+
+# --- autocast: sharded_call's units are checkpoints ---------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(3, 8)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def _autocast_worker() -> dict:
+    """The usual mixed-precision loop (bfloat16 autocast around the forward) with
+    sharded_call, against the same program on the whole parameters in one process."""
+    ps.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    model = _Model()  # float32: autocast computes the products in bfloat16
+    whole = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(4, 3)
+
+    def loss(call: Any, p: dict) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return call(model, p, (x,)).float().square().sum()
+
+    def ok(grads: dict, want: dict) -> bool:  # bit for bit
+        return all(torch.equal(ps.gather(grads[k]), want[k]) for k in want)
+
+    params = ps.shard(whole, ps.P("dp"))
+    want = grad(lambda p: loss(torch.func.functional_call, p))(whole)
+    out = {}
+    out["grad"] = ok(grad(lambda p: loss(ps.sharded_call, p))(params), want)
+    # .backward() after autocast exited: the recompute runs in the forward's autocast
+    leaves = {
+        k: ps.GlobalTensor(v.local.clone().requires_grad_(), v.meta) for k, v in params.items()
+    }
+    loss(ps.sharded_call, leaves).backward()
+    wholes = {k: v.clone().requires_grad_() for k, v in whole.items()}
+    loss(torch.func.functional_call, wholes).backward()
+    got = {k: ps.GlobalTensor(v.local.grad, v.meta) for k, v in leaves.items()}
+    out["backward"] = ok(got, {k: v.grad for k, v in wholes.items()})
+    return out
+
+
+def test_sharded_call_inside_autocast(pool) -> None:
+    for rank in pool.run(2, _autocast_worker):
+        assert rank == {"grad": True, "backward": True}

@@ -19,7 +19,8 @@ Imports torch only; every layer of pshard may import it.
 - torch's own pytree: :func:`register_torch_pytree`, :func:`get_attr_key`;
 - what ``ps.checkpoint`` needs: functorch's interpreter stack (:func:`transforms`,
   :func:`top_transform`, :func:`level_of`, :func:`unwrap_level`, :func:`wrap_level`,
-  :func:`lowered`, :func:`live_wrapper`, :func:`is_batched`, :func:`unwrap_dead_tensor`),
+  :func:`new_level`, :func:`mark_differentiable`, :func:`lowered`, :func:`live_wrapper`,
+  :func:`is_batched`, :func:`unwrap_dead_tensor`),
   forward mode outside it (:func:`forward_ad_active`), tracing (:func:`tracing`,
   :func:`fake_mode_active`, :func:`is_fake`), ``functional_call``'s reparametrization
   (:func:`reparametrized`) and a finished c10d Work (:func:`completed_work`). The backward of a
@@ -104,6 +105,12 @@ from .base import (
 )
 from .base import (
     make_subclass as make_subclass,
+)
+from .base import (
+    mark_differentiable as mark_differentiable,
+)
+from .base import (
+    new_level as new_level,
 )
 from .base import (
     outside_transforms as outside_transforms,
@@ -216,7 +223,9 @@ __all__ = [
     "live_wrapper",
     "lowered",
     "make_subclass",
+    "mark_differentiable",
     "new_c10d_world",
+    "new_level",
     "outside_transforms",
     "queue_backward_callback",
     "register_backend",

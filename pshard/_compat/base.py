@@ -42,6 +42,8 @@ __all__ = [
     "live_wrapper",
     "lowered",
     "make_subclass",
+    "mark_differentiable",
+    "new_level",
     "outside_transforms",
     "queue_backward_callback",
     "register_torch_pytree",
@@ -307,6 +309,33 @@ def unwrap_level(t: torch.Tensor, level: int) -> torch.Tensor:
 def wrap_level(t: torch.Tensor, level: int) -> torch.Tensor:
     """``t`` as a value of the ``grad``/``jvp`` transform ``level``, with no history there."""
     return _functorch._wrap_for_grad(t, level)
+
+
+@contextlib.contextmanager
+def new_level(kind: str) -> Iterator[int]:
+    """A new ``"grad"`` or ``"jvp"`` transform level for the body, as ``torch.func.vjp`` and
+    ``torch.func.jvp`` open one (without their pytree handling of inputs and outputs); yields
+    its number."""
+    grad = kind == "grad"
+    level = _functorch._grad_increment_nesting() if grad else _functorch._jvp_increment_nesting()
+    try:
+        yield level
+    finally:
+        if grad:
+            _functorch._grad_decrement_nesting()
+        else:
+            _functorch._jvp_decrement_nesting()
+
+
+def mark_differentiable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, a value of the innermost ``grad`` level, requiring grad there (what
+    ``torch.func.vjp`` does to its primals)."""
+    allowed = _functorch.get_inplace_requires_grad_allowed()
+    _functorch.set_inplace_requires_grad_allowed(True)
+    try:
+        return t.requires_grad_()
+    finally:
+        _functorch.set_inplace_requires_grad_allowed(allowed)
 
 
 @contextlib.contextmanager

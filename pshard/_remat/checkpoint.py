@@ -21,8 +21,9 @@ Three details make it exact and make it save memory:
 - Under ``torch.func.grad``, which keeps its whole graph until it returns, each checkpoint
   lets go of its inputs once its backward has run (as ``.backward()`` frees what it saved).
 - The recompute runs in a copy of the ``contextvars`` context of the call (current mesh,
-  debug mode, the sequence context of ``shard_map_seq``) and from the random generator states
-  of the forward, even when the backward runs after those contexts have exited.
+  debug mode, the sequence context of ``shard_map_seq``), under the forward's autocast state
+  and from its random generator states, even when the backward runs after those contexts have
+  exited.
 
 This module holds the transform itself (:func:`checkpoint`, :class:`CheckpointModule`).
 """
@@ -125,8 +126,8 @@ def checkpoint(fn: Any = None, /, *args: Any, policy: Any = None, **kwargs: Any)
         checkpoint(f)(*args) == f(*args)
         # forward: run f, keep args and what the policy keeps; let everything else go
         # backward: run f again on the same args, in the contexts of the forward (current
-        #   mesh, debug mode, sequence context, random generator states), taking the kept
-        #   values instead of computing them, and pull the cotangents back through it
+        #   mesh, debug mode, sequence context, autocast, random generator states), taking
+        #   the kept values instead of computing them, and pull the cotangents back through it
 
     The derivatives equal ``f``'s under every ``torch.func`` transform (``grad``, ``vjp``,
     ``jvp``, ``jacrev``, ``jacfwd``, ``hessian``, ``vmap`` and their compositions) and under

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from .tape import arg_paths
+
 __all__ = ["difference", "draw_difference"]
 
 
@@ -25,7 +27,7 @@ def difference(op: Any, forward: Hashable, recompute: Hashable) -> str | None:
         return None
     if forward[0] is not recompute[0] or forward[1] != recompute[1]:
         return None
-    paths = forward[1].paths()
+    paths = arg_paths(forward[1])
     for path, before, after in zip(paths, forward[2], recompute[2], strict=True):
         if before == after:
             continue
@@ -103,7 +105,7 @@ def _source(source: Any) -> str:
     if tag == "c":
         values = list(source[3])
         shown = ", ".join(map(repr, values[:8])) + (", ..." if len(values) > 8 else "")
-        return f"a tensor of values [{shown}]"
+        return f"a {str(source[2]).removeprefix('torch.')} tensor of values [{shown}]"
     if tag == "x":
         return f"a tensor from outside (version {source[2]})"
     if tag == "zero":

@@ -25,6 +25,7 @@ __all__ = [
     "KEEPABLE",
     "OUTPUT_FREE",
     "call_kind",
+    "describe",
     "describe_call",
     "draw_arguments",
     "factory_value",
@@ -189,5 +190,11 @@ def storage(t: torch.Tensor) -> int | None:
 
 
 def describe_call(op: Any, tensors: Sequence[torch.Tensor]) -> str:
-    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
-    return f"{op} on ({shapes})" if tensors else f"{op}"
+    """``aten.mm.default on ((2, 3) float64, (3, 3) float64)``, for errors."""
+    return describe(op, [(t.shape, t.dtype) for t in tensors])
+
+
+def describe(op: Any, metas: Sequence[tuple[torch.Size, torch.dtype]]) -> str:
+    """:func:`describe_call` from the shapes and dtypes of the tensors."""
+    shapes = ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in metas)
+    return f"{op} on ({shapes})" if metas else f"{op}"

@@ -14,7 +14,6 @@ import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-import optree
 import torch
 
 from pshard._core.tree import article
@@ -37,9 +36,11 @@ from .tape import (
     Sources,
     Tape,
     bind_outputs,
+    flat_call,
     fresh_outputs,
     is_outside,
     key_of,
+    rebuild,
     run_factory,
     traced,
     version_of,
@@ -108,7 +109,7 @@ class Replayer(compat.TorchDispatchMode):
         self.tape = tape
         self._kept = kept
         self._sources = Sources(inputs)
-        self._next: dict[Hashable, int] = {}
+        self._next: dict[int, int] = {}  # id of a key's candidates in tape.index -> next one
         self._matched = bytearray(len(tape.entries))
         self._random = 0
         self._rewind = Rewind(tape.rng) if tape.rng is not None else None
@@ -142,13 +143,14 @@ class Replayer(compat.TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if traced(args, kwargs):
+        leaves, spec = flat_call(args, kwargs)
+        if traced(leaves):
             return func(*args, **kwargs)
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
             return run_factory(self._sources, func, args, kwargs)
-        key, tensors = key_of(func, args, kwargs, self._sources, None)
-        if self._carried is None:
+        key, tensors, srcs = key_of(func, leaves, spec, self._sources, None)
+        if self._carried is None and any(is_outside(src) for src in srcs):
             self._carried = self._carried_from_forward(tensors)
         content = key
         if kind == "random":
@@ -157,10 +159,11 @@ class Replayer(compat.TorchDispatchMode):
         j, again = None, False
         candidates = self.tape.index.get(key)
         if candidates is not None:
-            n = self._next.get(key, 0)
+            slot = id(candidates)  # the key's list of entries: hashed once per operator
+            n = self._next.get(slot, 0)
             if n < len(candidates):
                 j = candidates[n]
-                self._next[key] = n + 1
+                self._next[slot] = n + 1
                 self._matched[j] = 1
             elif kind in ("compute", "view"):  # the same value again (an outer jvp's helper)
                 j, again = candidates[-1], True
@@ -276,15 +279,20 @@ class Replayer(compat.TorchDispatchMode):
                 leaves.append(compat.completed_work(writes))
             else:
                 leaves.append(value)
-        return optree.tree_unflatten(entry.spec, leaves), fresh
+        return rebuild(entry.spec, leaves), fresh
 
-    def finish(self, outputs: Sequence[torch.Tensor], *, vmapped: bool) -> None:
-        """Check that the recompute ran the forward's program (see the module docs)."""
+    def finish(
+        self, outputs: Sequence[torch.Tensor], *, vmapped: bool, cause: str | None = None
+    ) -> None:
+        """Check that the recompute ran the forward's program (see the module docs); ``cause``:
+        a global mode that changed since the forward (:func:`pshard._remat.modes.changed`),
+        named in the error."""
         tape = self.tape
         if vmapped or tape.vmapped:
             return
+        mode = "" if cause is None else f" The {cause}."
         if self._changed is not None:
-            raise ValueError(self._changed)
+            raise ValueError(self._changed if cause is None else f"{self._changed}.{mode}")
         instead = f"; it ran {self._unmatched} instead" if self._unmatched else ""
         carried = ""
         if self._carried is not None:
@@ -314,7 +322,7 @@ class Replayer(compat.TorchDispatchMode):
                 f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                 f"forward: the forward ran {entry.text} (operation {j + 1} of "
                 f"{len(tape.entries)}), which the recompute did not"
-                f"{instead if differs is None else f'; it ran it with {differs}'}{carried}. "
+                f"{instead if differs is None else f'; it ran it with {differs}'}{carried}.{mode} "
                 f"{advice}"
             )
         for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
@@ -322,7 +330,7 @@ class Replayer(compat.TorchDispatchMode):
                 raise ValueError(
                     f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                     f"forward: its output {i} ({tuple(t.shape)}, {t.dtype}) was computed "
-                    f"differently{instead}{carried}. {advice}"
+                    f"differently{instead}{carried}.{mode} {advice}"
                 )
 
     def close(self) -> None:

@@ -28,9 +28,10 @@ draws are known by their place among the draws, and never kept: the recompute dr
 numbers again from the generator states the forward had at its first draw, those of explicit
 ``generator=`` arguments included (:mod:`pshard._remat.rng`).
 
-Internal interface (for :mod:`pshard._remat.replay`): :class:`Sources`, :func:`key_of`,
-:func:`new_source`, :func:`traced`, :func:`fresh_outputs`, :func:`bind_outputs`,
-:func:`version_of`, :func:`is_outside`.
+Internal interface (for :mod:`pshard._remat.replay` and :mod:`pshard._remat.explain`):
+:class:`Sources`, :func:`flat_call`, :func:`arg_paths`, :func:`key_of`, :func:`new_source`,
+:func:`traced`, :func:`fresh_outputs`, :func:`bind_outputs`, :func:`rebuild`,
+:func:`run_factory`, :func:`version_of`, :func:`is_outside`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from .. import _compat as compat
 from .ops import (
     KEEPABLE,
     call_kind,
-    describe_call,
+    describe,
     draw_arguments,
     factory_value,
     storage,
@@ -63,11 +64,14 @@ __all__ = [
     "Recorder",
     "Sources",
     "Tape",
+    "arg_paths",
     "bind_outputs",
+    "flat_call",
     "fresh_outputs",
     "is_outside",
     "key_of",
     "new_source",
+    "rebuild",
     "run_factory",
     "traced",
     "version_of",
@@ -97,7 +101,6 @@ class Entry:
 
     op: Any
     kind: str
-    text: str
     spec: Any
     template: list[tuple[str, Any]]
     saved: bool = False
@@ -118,6 +121,18 @@ class Entry:
     key: Hashable = None
     draw: tuple[tuple[str, Any], ...] = ()
     draw_key: Hashable = None
+
+    @property
+    def text(self) -> str:
+        """The operator and its tensors' shapes and dtypes, for errors (from its key)."""
+        key = self.draw_key if self.kind == "random" else self.key
+        parts = key[2] if isinstance(key, tuple) and len(key) == 4 else ()
+        metas = [
+            (p[1], p[2])
+            for p in parts
+            if isinstance(p, tuple) and len(p) == 3 and isinstance(p[1], torch.Size)
+        ]
+        return describe(self.op, metas)
 
     def unsave(self) -> None:
         self.saved, self.vetoed, self.held, self.named = False, True, None, None
@@ -234,39 +249,101 @@ def new_source(t: torch.Tensor, value: Hashable) -> Hashable:
     return ("new", t.shape, t.dtype, t.device.type, value)
 
 
-def traced(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call runs on fake tensors (a tracer inside the function, such as
-    ``pmap_microbatch``'s batch-dim analysis): not part of the program, passed through."""
-    if compat.fake_mode_active():
-        return True
-    leaves: list[Any] = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)  # type: ignore[arg-type]
-    return any(isinstance(x, torch.Tensor) and compat.is_fake(x) for x in leaves)
+_SEQUENCES = (list, tuple)
+ONE = "one tensor"  # the structure of an operator's output that is a tensor (see _template)
 
 
-def key_of(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sources: Sources, extra: Any
-) -> tuple[Hashable, list[torch.Tensor]]:
-    leaves: list[Any]
-    leaves, spec = optree.tree_flatten(
+def flat_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Hashable]:
+    """The leaves of an operator's ``(args, kwargs)`` (``None`` included) and their structure
+    (:func:`arg_paths` names each leaf's argument). Operators take tensors, numbers and flat
+    lists of them: those are flattened here without a pytree walk (a few microseconds an
+    operator, twice per operator of each checkpointed call); anything deeper by optree."""
+    leaves: list[Any] = []
+    shape: list[int] = []
+    for a in args:
+        if type(a) in _SEQUENCES:
+            if any(type(e) in _SEQUENCES or type(e) is dict for e in a):
+                return _flat_tree(args, kwargs)
+            leaves.extend(a)
+            shape.append(len(a))
+        elif type(a) is dict:
+            return _flat_tree(args, kwargs)
+        else:
+            leaves.append(a)
+            shape.append(-1)
+    names: list[tuple[str, int]] = []
+    for k, v in kwargs.items():
+        if type(v) in _SEQUENCES:
+            if any(type(e) in _SEQUENCES or type(e) is dict for e in v):
+                return _flat_tree(args, kwargs)
+            leaves.extend(v)
+            names.append((k, len(v)))
+        elif type(v) is dict:
+            return _flat_tree(args, kwargs)
+        else:
+            leaves.append(v)
+            names.append((k, -1))
+    return leaves, (tuple(shape), tuple(names))
+
+
+def _flat_tree(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Hashable]:
+    return optree.tree_flatten(
         (args, kwargs),  # type: ignore[arg-type]
         none_is_leaf=True,
         namespace=NAMESPACE,
     )
+
+
+def arg_paths(spec: Any) -> list[tuple[Any, ...]]:
+    """The path of each leaf of a :func:`flat_call` in ``(args, kwargs)``: ``(0, i)`` the i-th
+    positional argument, ``(1, name)`` a keyword argument, then the index in a list."""
+    if not isinstance(spec, tuple):
+        return list(spec.paths())
+    positional, named = spec
+    paths: list[tuple[Any, ...]] = []
+    for where, items in ((0, list(enumerate(positional))), (1, list(named))):
+        for head, n in items:
+            if n < 0:
+                paths.append((where, head))
+            else:
+                paths.extend((where, head, j) for j in range(n))
+    return paths
+
+
+def traced(leaves: Sequence[Any]) -> bool:
+    """Whether an operator with these argument ``leaves`` runs on fake tensors (a tracer inside
+    the function, such as ``pmap_microbatch``'s batch-dim analysis): not part of the program,
+    passed through."""
+    if compat.fake_mode_active():
+        return True
+    for x in leaves:  # a plain tensor is not fake: the common case costs a type check
+        if type(x) is not torch.Tensor and isinstance(x, torch.Tensor) and compat.is_fake(x):
+            return True
+    return False
+
+
+def key_of(
+    op: Any, leaves: Sequence[Any], spec: Any, sources: Sources, extra: Any
+) -> tuple[Hashable, list[torch.Tensor], list[Hashable | None]]:
+    """The key of a call (see the module docs) from its :func:`flat_call`, its tensors and
+    their sources (``None`` for a tensor not seen before)."""
     parts: list[Hashable] = []
     tensors: list[torch.Tensor] = []
+    srcs: list[Hashable | None] = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
+            src = sources.get(x)
+            srcs.append(src)
             if not (x.is_floating_point() or x.is_complex()):
                 parts.append(("int", x.shape, x.dtype))  # known by its place, see the docs
                 continue
-            src = sources.get(x)
             parts.append((_outside(x) if src is None else src, x.shape, x.dtype))
         elif x is None or isinstance(x, (*_SIMPLE, _MEMORY_FORMAT)):
             parts.append(x)
         else:
             parts.append(type(x).__qualname__)
-    return (op, spec, tuple(parts), extra), tensors
+    return (op, spec, tuple(parts), extra), tensors, srcs
 
 
 def _template(
@@ -276,6 +353,9 @@ def _template(
     the k-th fresh output, ``("w", m)`` the m-th written argument, ``("work", None)`` a finished
     Work, ``("v", value)`` a constant. Appends the fresh outputs to ``fresh``."""
     tmpl: list[tuple[str, Any]] = []
+    if type(out) is torch.Tensor and not writes:  # most operators: one fresh tensor
+        fresh.append(out)
+        return ONE, [("t", len(fresh) - 1)]
     leaves, spec = optree.tree_flatten(out, none_is_leaf=True, namespace=NAMESPACE)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -302,7 +382,14 @@ def run_factory(sources: Sources, func: Any, args: tuple[Any, ...], kwargs: Any)
     return out
 
 
+def rebuild(spec: Any, leaves: list[Any]) -> Any:
+    """An operator's output from the structure :func:`_template` noted and its leaves."""
+    return leaves[0] if spec is ONE else optree.tree_unflatten(spec, leaves)
+
+
 def fresh_outputs(out: Any, writes: list[torch.Tensor]) -> list[torch.Tensor]:
+    if type(out) is torch.Tensor and not writes:
+        return [out]
     leaves = optree.tree_leaves(out, none_is_leaf=True, namespace=NAMESPACE)
     return [x for x in leaves if isinstance(x, torch.Tensor) and not any(x is w for w in writes)]
 
@@ -339,11 +426,14 @@ class Recorder(compat.TorchDispatchMode):
     :func:`pshard.checkpoint_name` for this forward.
     """
 
-    def __init__(self, tape: Tape, inputs: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, tape: Tape, inputs: Sequence[torch.Tensor], needs: Sequence[bool] | None = None
+    ) -> None:
         super().__init__()
         self.tape = tape
         self._sources = Sources(inputs)
         self._inputs = list(inputs)
+        self._needs = [t.requires_grad for t in inputs] if needs is None else list(needs)
         self._input_storage = {storage(t): i for i, t in enumerate(inputs)}
         self._input_storage.pop(None, None)
         self._writer: dict[int, int] = {}  # storage -> entry that last wrote it
@@ -354,42 +444,49 @@ class Recorder(compat.TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if traced(args, kwargs):
+        leaves, spec = flat_call(args, kwargs)
+        if traced(leaves):
             return func(*args, **kwargs)
         tape = self.tape
         kind = call_kind(func, args, kwargs)
         if kind == "factory":
             return run_factory(self._sources, func, args, kwargs)
-        key, tensors = key_of(func, args, kwargs, self._sources, None)
+        key, tensors, srcs = key_of(func, leaves, spec, self._sources, None)
         content = key
         if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
             tape.rng = before_draw(tape.rng, args, kwargs)
             key = ("random", self._random)
             self._random += 1
-        if torch.is_grad_enabled():
-            self._closure(func, tensors)
+        if None in srcs and torch.is_grad_enabled():
+            self._closure(func, [t for t, src in zip(tensors, srcs, strict=True) if src is None])
         writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
-        self._before_writing(func, writes)
+        if writes:
+            self._before_writing(func, writes)
         out = func(*args, **kwargs)
         j = len(tape.entries)
         fresh: list[torch.Tensor] = []
-        entry = Entry(func, kind, describe_call(func, tensors), *_template(out, fresh, writes))
+        entry = Entry(func, kind, *_template(out, fresh, writes))
         entry.key = key
         if kind == "random":
             entry.draw, entry.draw_key = draw_arguments(func, args, kwargs), content
-        entry.floating = any(t.is_floating_point() or t.is_complex() for t in [*tensors, *fresh])
-        entry.inputs = [self._sources.get(t) for t in tensors]
+        parts = key[2] if kind != "random" else content[2]  # type: ignore[index]
+        entry.floating = any(
+            isinstance(p, tuple) and len(p) == 3 and p[0] != "int" and isinstance(p[1], torch.Size)
+            for p in parts
+        ) or any(t.is_floating_point() or t.is_complex() for t in fresh)
+        entry.inputs = srcs
         entry.fresh_meta = [(t.shape, t.dtype, t.device) for t in fresh]
         tape.entries.append(entry)
         tape.index.setdefault(key, []).append(j)
-        for p, t in enumerate(tensors):
-            if not (t.is_floating_point() or t.is_complex()) and is_outside(entry.inputs[p]):
+        for p, (t, src) in enumerate(zip(tensors, srcs, strict=True)):
+            if src is not None and not is_outside(src):
+                continue
+            if not (t.is_floating_point() or t.is_complex()):
                 k = self._outside.setdefault(id(t), len(tape.outside))
                 if k == len(tape.outside):
                     tape.outside.append(t)
                 entry.outside.append((p, k))
-        for t in tensors:
-            if self._sources.get(t) is None:
+            if src is None and self._sources.get(t) is None:  # (a tensor given twice)
                 src = _outside(t)
                 self._sources.bind(t, src)
                 if src[0] == "x":  # type: ignore[index]
@@ -410,6 +507,10 @@ class Recorder(compat.TorchDispatchMode):
         if kind in KEEPABLE and tensors and self._ask(func, *args, **kwargs):
             entry.saved, entry.held = True, outs
         return out
+
+    def knows(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is an input of this forward or an output of one of its operations."""
+        return not is_outside(self._sources.get(t))
 
     def _ask(self, op: Any, *args: Any, **kwargs: Any) -> bool:
         if self.tape.error is not None:
@@ -439,7 +540,7 @@ class Recorder(compat.TorchDispatchMode):
             i = self._input_storage.get(storage(t))
             if i is None or i in self.tape.written_inputs:
                 continue
-            if self._inputs[i].requires_grad:
+            if self._needs[i]:
                 raise ValueError(
                     f"ps.checkpoint: {self.tape.name} writes its argument {i} in place (a "
                     f"tensor of shape {tuple(self._inputs[i].shape)}, with {func}) and that "
@@ -510,7 +611,7 @@ class Recorder(compat.TorchDispatchMode):
             entry.refs, entry.held, entry.named = [], None, None
         self._sources = Sources(())
         self._writer.clear()
-        self._inputs = []
+        self._inputs, self._needs = [], []
         self._input_storage.clear()
 
 
