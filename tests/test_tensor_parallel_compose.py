@@ -6,13 +6,11 @@
   after it; mesh tp x dp with "dp" on the other dim), decoder layers recomputed by
   ps.checkpoint, the loss on the vocabulary split over "tp"; torch.func.grad and .backward();
 - dp x tp x sp on 8 ranks: the same with ps.sequence_parallel over "sp" (Ulysses), gradients
-  summed over "sp" by the caller (runs on the threads pool; 8 gloo processes with
-  PSHARD_WIDE_TESTS=1).
+  summed over "sp" by the caller (8 thread ranks).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import optree
@@ -122,8 +120,6 @@ def test_fsdp_over_dp_and_tensor_parallel_over_tp(pool, mesh: dict, how: str, mo
 def test_dp_tp_sp_on_eight_ranks(pool) -> None:
     """dp x tp x sp: FSDP over "dp", tensor parallelism over "tp", Ulysses sequence
     parallelism over "sp"; the gradients summed over "sp" equal one process's."""
-    if getattr(pool, "_backend", "gloo") == "gloo" and not os.environ.get("PSHARD_WIDE_TESTS"):
-        pytest.skip("8 ranks run on the threads pool (gloo worlds here stop at 4 processes)")
     _check(pool.run(8, _compose_worker, {"dp": 2, "tp": 2, "sp": 2}, "after", "grad"))
 
 

@@ -470,3 +470,27 @@ def test_checkpointed_collectives_on_gloo_are_kept(procs):
         k[: -len(" collectives")]: v for k, v in gloo[0].items() if k.endswith(" collectives")
     }
     assert counts == _COUNTS
+
+
+def _raw_collectives_under_grad() -> torch.Tensor:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        counts = (x > 1).sum().reshape(1)  # computed from x: a torch.func wrapper under grad
+        gathered = torch.empty(2, dtype=torch.int64)
+        dist.all_gather_single(gathered, counts)
+        total = x.sum().detach().reshape(1).clone()
+        dist.all_reduce(total)
+        return (x * gathered.sum() * total).sum()
+
+    x = torch.arange(3.0) * (dist.get_rank() + 1)
+    return torch.stack([grad(f)(x), grad(ps.checkpoint(f))(x)])
+
+
+def test_torch_distributed_on_torch_func_wrappers(procs):
+    """torch.distributed's own calls on tensors that torch.func wraps (inside ps.checkpoint,
+    which runs its function in a level of its own: an FSDP x TP x sequence-parallel step
+    exchanges lengths there): the transport reads and writes the tensors under the wrappers,
+    as gloo does ("Cannot access storage of TensorWrapper" before)."""
+    threads = ps.spawn(_raw_collectives_under_grad, nprocs=2, backend="threads")
+    gloo = procs.run(2, _raw_collectives_under_grad)
+    for t, g in zip(threads, gloo, strict=True):
+        assert torch.equal(t, g)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import THREADS_BACKEND, unseen_writes
+from .._compat import THREADS_BACKEND, innermost, unseen_writes
 from .dispatch import dispatched
 from .rendezvous import GroupState, Message, Shared, Slot, ThreadWork
 
@@ -45,6 +45,14 @@ _REDUCE: dict[Any, tuple[str, Callable[[torch.Tensor, torch.Tensor], Any]]] = {
     dist.ReduceOp.BOR: ("bor", torch.Tensor.bitwise_or_),
     dist.ReduceOp.BXOR: ("bxor", torch.Tensor.bitwise_xor_),
 }
+
+
+def _bare(x: Any) -> Any:
+    """``x`` (a tensor, or a list of tensors or of lists) with ``torch.func``'s wrappers taken
+    off: the transport reads and writes the tensors themselves, as a backend does."""
+    if isinstance(x, torch.Tensor):
+        return innermost(x)
+    return [_bare(v) for v in x]
 
 
 def _reduction(op: Any, fn: str) -> tuple[str, Callable[[torch.Tensor, torch.Tensor], Any]]:
@@ -168,6 +176,7 @@ class ThreadGroup(dist.ProcessGroup):
     # -- collectives
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> ThreadWork:  # type: ignore[override]
+        tensors = _bare(tensors)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         name = _reduction(op, "all_reduce")[0]
 
@@ -197,6 +206,8 @@ class ThreadGroup(dist.ProcessGroup):
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ThreadWork:
+        output, input = _bare(output), _bare(input)
+
         def complete(parts: dict[int, Any]) -> None:
             n = len(parts)
             for r in parts:
@@ -221,6 +232,8 @@ class ThreadGroup(dist.ProcessGroup):
     def allgather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> ThreadWork:
+        outputs, inputs = _bare(outputs), _bare(inputs)
+
         def complete(parts: dict[int, Any]) -> None:
             for r in parts:
                 for j, outs in enumerate(parts[r][0]):
@@ -258,6 +271,7 @@ class ThreadGroup(dist.ProcessGroup):
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ThreadWork:
+        output, input = _bare(output), _bare(input)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         name = _reduction(op, "reduce_scatter")[0]
 
@@ -284,6 +298,7 @@ class ThreadGroup(dist.ProcessGroup):
     def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> ThreadWork:
+        outputs, inputs = _bare(outputs), _bare(inputs)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         name = _reduction(op, "reduce_scatter")[0]
 
@@ -324,6 +339,7 @@ class ThreadGroup(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> ThreadWork:
+        output, input = _bare(output), _bare(input)
         n = len(self._state.members)
 
         def splits(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -361,6 +377,8 @@ class ThreadGroup(dist.ProcessGroup):
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> ThreadWork:
+        outputs, inputs = _bare(outputs), _bare(inputs)
+
         def complete(parts: dict[int, Any]) -> None:
             for r in parts:
                 for i in range(len(parts)):
@@ -381,6 +399,7 @@ class ThreadGroup(dist.ProcessGroup):
         )
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> ThreadWork:  # type: ignore[override]
+        tensors = _bare(tensors)
         root = opts.rootRank if opts is not None else 0
         index = opts.rootTensor if opts is not None else 0
 
@@ -405,6 +424,7 @@ class ThreadGroup(dist.ProcessGroup):
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> ThreadWork:  # type: ignore[override]
+        tensors = _bare(tensors)
         root = opts.rootRank if opts is not None else 0
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         name = _reduction(op, "reduce")[0]
@@ -430,6 +450,7 @@ class ThreadGroup(dist.ProcessGroup):
     def gather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> ThreadWork:
+        outputs, inputs = _bare(outputs), _bare(inputs)
         root = opts.rootRank if opts is not None else 0
 
         def complete(parts: dict[int, Any]) -> None:
@@ -453,6 +474,7 @@ class ThreadGroup(dist.ProcessGroup):
     def scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> ThreadWork:
+        outputs, inputs = _bare(outputs), _bare(inputs)
         root = opts.rootRank if opts is not None else 0
 
         def complete(parts: dict[int, Any]) -> None:
@@ -492,6 +514,7 @@ class ThreadGroup(dist.ProcessGroup):
         )
 
     def _p2p(self, tensors: list[torch.Tensor], peer: int, tag: int, sending: bool) -> ThreadWork:
+        tensors = _bare(tensors)
         message = Message(tensors[0])
         if sending:
             self._post(self._state.sends, (self._rank, peer, tag), message)
