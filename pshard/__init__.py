@@ -56,13 +56,13 @@ from ._shard_map.global_ops import shard as shard
 from ._shard_map.global_ops import to_dtensor as to_dtensor
 from ._shard_map.shard_map import shard_map as shard_map
 from ._shard_map.sharded_call import sharded_call as sharded_call
+from ._state.api import load as load
+from ._state.api import load_metadata as load_metadata
+from ._state.api import save as save
 from ._state.init import init_sharded as init_sharded
-from ._state.load import load as load
-from ._state.load import load_metadata as load_metadata
 from ._state.manifest import SavedObject as SavedObject
 from ._state.manifest import SavedTensor as SavedTensor
 from ._state.rng import RngState as RngState
-from ._state.save import save as save
 from .integrations import transformers as _transformers  # noqa: F401 (registers its adapter)
 from .sequence._broadcast import broadcast_batches as broadcast_batches
 from .sequence._context import seq_positions as seq_positions

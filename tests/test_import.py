@@ -1,6 +1,7 @@
 """``import pshard`` loads what every program needs and no more: torch.compile's front end
-(dynamo) only once something compiles; pshard's functions that must stay out of compiled graphs
-are disabled for dynamo as it is imported."""
+(dynamo) only once something compiles (pshard's functions that must stay out of compiled graphs
+are disabled for dynamo as it is imported), torch.distributed.checkpoint and DTensor only once
+a checkpoint is saved or loaded, or a DTensor converted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ _PROBE = """
 import sys
 import pshard
 from pshard._collectives import apply, rules
-heavy = [m for m in ("torch._dynamo",) if m in sys.modules]
+heavy = [
+    m
+    for m in ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.tensor")
+    if m in sys.modules
+]
 before = hasattr(apply.eager, "_torchdynamo_disable")
 import torch._dynamo
 after = [

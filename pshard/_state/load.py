@@ -65,33 +65,7 @@ def _world() -> tuple[int, int]:
 
 
 def load_metadata(path: str | os.PathLike[str]) -> Any:
-    """The tree saved at ``path``, with a :class:`SavedTensor` (global shape, dtype, spec) for
-    each tensor and the plain values themselves (ints, floats, strings, bools, ``None``,
-    :class:`RngState` s: the state :func:`load` gives this rank, or rank 0's where the ranks
-    saved different states and the world size changed, which ``load`` refuses).
-
-    Containers come back as dicts (namedtuples, dataclasses and Mappings as dicts of their
-    fields), lists and tuples. A checkpoint DCP wrote without pshard comes back as nested
-    dicts of its entries (``SavedTensor`` with ``spec=None``; a pickled object as
-    :class:`SavedObject`). A Hugging Face model directory (``model.safetensors``, or the
-    files ``model.safetensors.index.json`` names) comes back as a flat dict keyed by
-    state-dict names (``"model.embed_tokens.weight"``), each a ``SavedTensor`` with
-    ``spec=None``. The tree is a valid ``like`` for :func:`load`.
-
-    Raises:
-        FileNotFoundError: no checkpoint at ``path``; a checkpoint pshard wrote without its
-            manifest ``pshard.json``.
-        ValueError: a damaged or inconsistent checkpoint (named).
-
-    Example:
-        >>> import tempfile, torch, pshard as ps
-        >>> mesh = ps.init_mesh({"dp": 1})
-        >>> path = tempfile.mkdtemp() + "/ckpt"
-        >>> ps.save(path, {"w": ps.shard(torch.ones(4, 2), ps.P("dp")), "lr": 0.1})
-        >>> meta = ps.load_metadata(path)
-        >>> meta["lr"], meta["w"].shape, meta["w"].dtype, meta["w"].spec
-        (0.1, (4, 2), torch.float32, P('dp', None))
-    """
+    """The body of :func:`pshard.load_metadata` (its contract: :mod:`pshard._state.api`)."""
     fn = "load_metadata"
     target = target_path(path, fn)
     ckpt: Checkpoint = reopened(target, fn, lambda opened: open_checkpoint(opened, target, fn))
@@ -290,61 +264,7 @@ def _comms(wants: list[_Want], fn: str) -> list[Comm]:
 def load(
     path: str | os.PathLike[str], like: Any, *, partial: bool = False, verify: bool = True
 ) -> Any:
-    """Read the checkpoint at ``path`` into the layout of ``like``.
-
-    ``like`` is only read: its structure is the result's, and each leaf says what to read:
-
-    - a :class:`~pshard.GlobalTensor`: a ``GlobalTensor`` with its spec and mesh (any layout:
-      saved on 4 ranks as ``P("dp")``, read on 2 as ``P(None, "tp")``); a DTensor: a DTensor
-      with its placements; a tensor: the whole tensor, on every rank. Blocks go to the device
-      of ``like``'s (the mesh's device when that is ``meta``: a ``like`` of meta blocks
-      allocates nothing twice);
-    - a :class:`SavedTensor` (what :func:`load_metadata` returns): the whole tensor (on CPU)
-      when its ``spec`` is ``None``, else a ``GlobalTensor`` with that spec on the current mesh;
-    - an int, float, str or bool, ``None``, an :class:`RngState`: the saved value (each rank
-      its own RNG state; with another world size, the state every rank saved).
-
-    Leaves match the checkpoint's entries by key (key paths joined by ``"."``, DCP's names), so
-    a checkpoint DCP wrote (an FSDP2 ``model.state_dict()``) reads into ``GlobalTensor`` s too,
-    and so does a Hugging Face model directory (keys: state-dict names; read with torch's
-    ``HuggingFaceStorageReader``, its files checked as long as their headers say; no
-    checksums, which safetensors does not carry).
-    Each rank reads only the saved chunks that overlap its blocks; no collective, except
-    ``ps.reshard`` for a layout DTensor cannot express (uneven ``StridedShard``), read in its
-    nearest expressible layout and then moved.
-
-    Args:
-        path: a checkpoint directory, or a Hugging Face model directory.
-        like: the tree to read into.
-        partial: read only the keys of ``like`` (a checkpoint may hold more).
-        verify: compare every chunk read with the checksum the save recorded (the bytes'
-            CRC-32, in the manifest); ``False`` skips it (a truncated file is still an error).
-
-    A save of ``path`` that switches while the load reads gives the load one whole
-    checkpoint, the previous or the new one, never parts of both (on every rank that reads a
-    part of one ``GlobalTensor``, the same one: they compare which save they opened).
-
-    Raises:
-        FileNotFoundError: no checkpoint at ``path``, or a file of it missing (named).
-        ValueError: keys of ``like`` missing from the checkpoint, keys of the checkpoint
-            missing from ``like`` (unless ``partial``), or leaves whose global shape, dtype or
-            kind differ (one error lists every such key path); a damaged checkpoint: a chunk
-            whose checksum differs from the one saved, or a truncated file (the file, the key
-            and the checkpoint named).
-        TypeError: a leaf of ``like`` that names nothing to read.
-        RuntimeError: another rank reading the same values failed; saves replaced ``path``
-            again and again while the load read it.
-
-    Example:
-        >>> import tempfile, torch, pshard as ps
-        >>> mesh = ps.init_mesh({"dp": 1})
-        >>> path = tempfile.mkdtemp() + "/ckpt"
-        >>> ps.save(path, {"w": ps.shard(torch.arange(4.0), ps.P("dp")), "step": 7})
-        >>> ps.load(path, {"w": torch.empty(4), "step": 0})
-        {'w': tensor([0., 1., 2., 3.]), 'step': 7}
-        >>> ps.load(path, ps.load_metadata(path))["w"].spec
-        P('dp')
-    """
+    """The body of :func:`pshard.load` (see :mod:`pshard._state.api` for the whole contract)."""
     fn = "load"
     if not isinstance(partial, bool):
         raise TypeError(f"{fn}: partial must be a bool, got {describe(partial)}")

@@ -77,69 +77,7 @@ def save(
     async_save: bool = False,
     format: Literal["dcp", "huggingface"] = "dcp",
 ) -> Future[None] | None:
-    """Save ``tree`` as a checkpoint at ``path`` (a directory), in
-    ``torch.distributed.checkpoint``'s format. Every rank calls it, with the same tree.
-
-    Each rank writes only its blocks of each :class:`~pshard.GlobalTensor` (a block several
-    ranks hold, once); whole tensors are written once; ints, floats, strings, bools, ``None``
-    and :class:`RngState` s (each rank's) are stored as JSON beside DCP's files, with the
-    tree's structure and every tensor's global shape, dtype and spec (:func:`load_metadata`).
-    DTensors are saved as the GlobalTensors of :func:`pshard.from_dtensor`.
-
-    The checkpoint is written aside and switched in atomically once every rank has written:
-    ``path`` holds the previous checkpoint until then (also if a rank dies half-way) and never
-    stops existing. DCP's own tools read it: ``dcp.load(state_dict, checkpoint_id=path)``, keys
-    being the key paths joined by ``"."`` (``{"model": {"w": x}}`` -> ``"model.w"``).
-
-    ``format="huggingface"`` writes a model's weights as Hugging Face safetensors instead: a
-    tree of tensors only, keyed by state-dict names (a flat ``{"model.embed_tokens.weight":
-    ...}``, or nested dicts whose keys join to them), each rank writing its blocks and rank 0
-    consolidating them into ``model-0000i-of-0000N.safetensors`` (up to 5 GB each) and
-    ``model.safetensors.index.json`` (torch's ``HuggingFaceStorageWriter``), written aside and
-    switched in the same way. ``AutoModelForCausalLM.from_pretrained(path)`` loads it once
-    ``config.json`` is beside it (``model.config.save_pretrained(path)``); :func:`load` reads
-    it back sharded.
-
-    Args:
-        path: the checkpoint directory: it must not exist, be empty, or hold a checkpoint
-            and nothing else (which it replaces; files pshard and DCP did not write there,
-            a ``config.json`` or ``logs/``, are never deleted: the save refuses them).
-        tree: a pytree of GlobalTensors, tensors, DTensors, int, float, str, bool, ``None``
-            and :class:`RngState`, with str (or int) keys.
-        async_save: return at once with a ``concurrent.futures.Future`` while a background
-            thread writes; what is saved is the tree at the call (its tensors are copied to
-            CPU memory first). Saves into one parent directory switch in call order. The save
-            finishes also if the caller returns without waiting (the process waits for it at
-            exit; its exchanges need no process group).
-        format: ``"dcp"`` (pshard's checkpoint) or ``"huggingface"`` (safetensors of a
-            model's weights).
-
-    Returns:
-        ``None``, or with ``async_save`` a ``Future`` whose ``result()`` is ``None`` once the
-        checkpoint is in place and raises what the save raised.
-
-    Raises:
-        TypeError: a leaf a checkpoint cannot hold (the message names its key path; with
-            ``format="huggingface"``, anything but a tensor of a dtype safetensors holds).
-        ValueError: two leaves with one DCP key, a GlobalTensor whose block does not fit its
-            spec and global shape, ranks passing different trees (each difference named),
-            copies of a whole tensor or of a replicated GlobalTensor's block that differ
-            between the ranks holding them (the key path and the ranks named: per-rank state
-            is a GlobalTensor, ``ps.from_local``), or ``path`` a file or a directory holding
-            something pshard and DCP do not write (each such entry named).
-        PermissionError: this process may not create files in ``path``'s directory.
-        RuntimeError: another rank failed (nothing was switched).
-
-    Example:
-        >>> import tempfile, torch, pshard as ps
-        >>> mesh = ps.init_mesh({"dp": 1})
-        >>> state = {"w": ps.shard(torch.arange(6.0).reshape(3, 2), ps.P("dp")), "step": 3}
-        >>> path = tempfile.mkdtemp() + "/ckpt"
-        >>> ps.save(path, state)
-        >>> back = ps.load(path, state)
-        >>> torch.equal(back["w"].local, state["w"].local), back["step"]
-        (True, 3)
-    """
+    """The body of :func:`pshard.save` (see :mod:`pshard._state.api` for the whole contract)."""
     fn = "save"
     target = target_path(path, fn)
     if not isinstance(async_save, bool):
