@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pshard._remat",),
     ("pshard._shard_map",),
     ("pshard._microbatch", "pshard.sequence", "pshard._state"),
+    ("pshard._pipeline",),
     ("pshard.integrations",),
     ("pshard",),
 )

@@ -212,7 +212,9 @@ class Executor:
             self.trace.append(Event("wait", msg.consumer, msg, start, time.perf_counter()))
         return got
 
-    def _send(self, msg: Message, layout: Any, tensors: Sequence[torch.Tensor], header: Any) -> None:
+    def _send(
+        self, msg: Message, layout: Any, tensors: Sequence[torch.Tensor], header: Any
+    ) -> None:
         if msg.dst == self.link.rank:
             self.local[msg.producer] = (layout, tuple(tensors))
             return
@@ -314,11 +316,14 @@ class Executor:
             problem = self._layout_problem(s, m, value)
             if problem is None and not header and Layout.of(value) != self.sent_class[key]:
                 m0 = self.sizes.index(self.sizes[m])
-                problem = 1, (
-                    f"{self.fn_name}: {self._where(s)} returned {Layout.of(value).describe()} "
-                    f"for microbatch {m} but {self.sent_class[key].describe()} for microbatch "
-                    f"{m0} of the same size: a stage's output shape must depend on the "
-                    f"microbatch's size alone"
+                problem = (
+                    1,
+                    (
+                        f"{self.fn_name}: {self._where(s)} returned {Layout.of(value).describe()} "
+                        f"for microbatch {m} but {self.sent_class[key].describe()} for microbatch "
+                        f"{m0} of the same size: a stage's output shape must depend on the "
+                        f"microbatch's size alone"
+                    ),
                 )
             if problem is not None:
                 self._fail(problem[0], s, problem[1])
@@ -335,7 +340,8 @@ class Executor:
         if header:
             self.sent_class[key] = layout
         self.sent[(s, m)] = layout
-        self._send(msg, layout, tensors, (None if layout is NO_DATA else layout) if header else False)
+        said = (None if layout is NO_DATA else layout) if header else False
+        self._send(msg, layout, tensors, said)
 
     # --- receiving layouts -------------------------------------------------------------------
 
@@ -438,20 +444,20 @@ class Executor:
         n = self.link.size
         rows = torch.zeros((n, _DETAIL), dtype=torch.int64, device=self.link.device)
         if self.failure is not None:
-            text = self.failure.text.encode()[:_DETAIL]
-            rows[self.link.rank, : len(text)] = torch.tensor(list(text), dtype=torch.int64)
+            raw = self.failure.text.encode()[:_DETAIL]
+            rows[self.link.rank, : len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
         texts = self.link.all_reduce(rows).tolist()
         self.pulls.clear()
         own = self.failure
         if own is not None and own.exc is not None:
-            own.exc.add_note(
-                f"{self.fn_name}: raised by {self._where(own.stage)}; the other ranks of the "
-                f"axis raise an error naming it"
-            )
+            if hasattr(own.exc, "add_note"):  # Python 3.11+
+                own.exc.add_note(
+                    f"{self.fn_name}: raised by {self._where(own.stage)}; the other ranks of "
+                    f"the axis raise an error naming it"
+                )
             raise own.exc
-        first = min(
-            (r for r in range(n) if kinds[r] in (1, 2)), default=min(r for r in range(n) if kinds[r])
-        )
+        failed = [r for r in range(n) if kinds[r]]
+        first = min((r for r in failed if kinds[r] in (1, 2)), default=failed[0])
         text = bytes(c for c in texts[first] if c).decode(errors="replace")
         if kinds[first] == 2:
             raise RuntimeError(

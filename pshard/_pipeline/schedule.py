@@ -30,7 +30,8 @@ Schedules (``N`` ranks, ``M`` microbatches, ``v`` virtual stages per rank):
 - ``"zero_bubble"``: ZB-H1: ``I`` whenever one is ready, else the next forward while fewer
   than ``N`` microbatches are alive (forward done, weight cotangent not), else a ``W``.
 
-Internal interface: :func:`build_schedule` (cached), :class:`PipelineSchedule`,
+Public: :func:`pipeline_schedule` (the checked :func:`build_schedule`) and
+:class:`PipelineSchedule`. Internal interface: :func:`build_schedule` (cached),
 :class:`Action`, :class:`Message`, :func:`rank_plan` and :class:`Step` (what one rank sends and
 receives around each action, in its order).
 """
@@ -41,8 +42,11 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
+from .._core.checks import check_int
+
 __all__ = [
     "DURATION",
+    "pipeline_schedule",
     "SCHEDULES",
     "Action",
     "Message",
@@ -424,3 +428,57 @@ def rank_plan(schedule: PipelineSchedule, rank: int) -> tuple[Step, ...]:
     return tuple(
         Step(a, tuple(needs.get(a, ())), tuple(sends.get(a, ()))) for a in schedule.actions(rank)
     )
+
+
+def pipeline_schedule(
+    schedule: str = "1f1b",
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+) -> PipelineSchedule:
+    """The timeline a pipeline schedule runs: which rank computes what at which tick.
+
+    The same data :func:`pshard.pipeline_value_and_grad` runs (every rank computes it the
+    same way, so the ranks agree on the order of every send and receive): each rank's actions
+    (``F`` forward, ``B`` backward, and under zero bubble ``I`` input cotangent and ``W``
+    weight cotangent) on a lock-step timeline where a forward takes one tick and a backward
+    two, the messages between ranks in the order they are sent and received, and the bubble.
+
+    Args:
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``.
+        num_ranks: ranks on the pipeline axis (``N``).
+        num_microbatches: microbatches per step (``M``).
+        virtual_stages: stages per rank (``v``, ``"interleaved_1f1b"`` only).
+
+    Returns:
+        A :class:`PipelineSchedule`: ``.timeline``, ``.actions(rank)``, ``.messages``,
+        ``.channel(src, dst)``, ``.bubble_fraction()``, ``.peak_alive(rank)`` and
+        ``.render()`` (the timeline as text).
+
+    Example:
+        >>> import pshard as ps
+        >>> s = ps.pipeline_schedule("1f1b", num_ranks=2, num_microbatches=3)
+        >>> print(s.render())
+        1f1b: 2 ranks, 3 microbatches; bubble 25.0% of 12 ticks
+        tick   | 0  1  2  3  4  5  6  7  8  9  10 11
+        rank 0 | F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2
+        rank 1 | .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  .
+        >>> s.bubble_fraction() == (2 - 1) / (3 + 2 - 1)
+        True
+    """
+    fn = "pipeline_schedule"
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"{fn}: schedule={schedule!r} is not a schedule; use one of "
+            f"{', '.join(map(repr, SCHEDULES))}"
+        )
+    n = check_int(fn, "num_ranks", num_ranks, minimum=1)
+    m = check_int(fn, "num_microbatches", num_microbatches, minimum=1)
+    v = check_int(fn, "virtual_stages", virtual_stages, minimum=1)
+    if v > 1 and schedule != "interleaved_1f1b":
+        raise ValueError(
+            f"{fn}: virtual_stages={v} needs schedule='interleaved_1f1b' (the other "
+            f"schedules run one stage per rank)"
+        )
+    return build_schedule(schedule, n, m, v)

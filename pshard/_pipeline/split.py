@@ -34,12 +34,14 @@ def chunk_sizes(total: int, k: int) -> list[int]:
 
 @dataclasses.dataclass
 class Microbatches:
-    """Each part's microbatches (``parts[i][m]``), their sizes and the split dim (of the
-    first split leaf, non-negative)."""
+    """Each part's microbatches (``parts[i][m]``), their sizes, the split dim (of the first
+    split leaf, non-negative) and each leaf's (every part's leaves in order; ``None``: passed
+    whole)."""
 
     parts: list[list[Any]]
     sizes: list[int]
     split_dim: int
+    dims: list[int | None]
 
 
 def split_microbatches(
@@ -65,14 +67,14 @@ def split_microbatches(
             f"tensors with a dim)"
         )
     first, total = plan.first, plan.size
-    name = inputs.name_of(first)
+    name, leaf = inputs.name_of(first), inputs.leaves[first]
     if total == 0 or k > total:
         raise ValueError(
-            f"{where} {name}: num_microbatches={k} but the batch ({describe(inputs.leaves[first])}) "
-            f"has {total} entries along its split dim; use 1 <= num_microbatches <= {total}"
+            f"{where} {name}: num_microbatches={k} but the batch ({describe(leaf)}) has {total} "
+            f"entries along its split dim; use 1 <= num_microbatches <= {total}"
             if total
-            else f"{where} {name}: the batch is empty ({describe(inputs.leaves[first])}); skip "
-            f"empty batches before the call"
+            else f"{where} {name}: the batch is empty ({describe(leaf)}); skip empty batches "
+            f"before the call"
         )
     sizes = chunk_sizes(total, k)
     if len(sizes) != k:
@@ -101,5 +103,6 @@ def split_microbatches(
         cols = columns[start : start + count]
         out.append([treedef.unflatten([c[m] for c in cols]) for m in range(k)])
         start += count
+    dims = [d if type(spec) is Shard else None for d, spec in zip(dims, inputs.specs, strict=True)]
     split_dim = next(d for d in dims if d is not None)
-    return Microbatches(out, sizes, split_dim)
+    return Microbatches(out, sizes, split_dim, dims)

@@ -62,7 +62,9 @@ class StageParams:
         return optree.tree_unflatten(self.treedef, out)
 
 
-def _rebuild(leaves: list[Any], where: list[int], values: Sequence[Any], treedef: PyTreeSpec) -> Any:
+def _rebuild(
+    leaves: list[Any], where: list[int], values: Sequence[Any], treedef: PyTreeSpec
+) -> Any:
     if where:
         leaves = list(leaves)
         for i, v in zip(where, values, strict=True):
@@ -98,6 +100,12 @@ class Pullback:
         (gp,) = self._of_p(ct)
         self._of_p = None
         return tuple(gp)
+
+
+def _vjp(fn: Callable[..., tuple[Any, Any]], *primals: Any) -> tuple[Any, Any, Any]:
+    """``torch.func.vjp(fn, *primals, has_aux=True)``: (outputs, pullback, aux)."""
+    out = torch.func.vjp(fn, *primals, has_aux=True)
+    return out[0], out[1], out[2]  # type: ignore[misc]
 
 
 class Output:
@@ -147,18 +155,18 @@ def run_stage(
     if mode == "none":
         return result(*call(pf, xf)), None
     if mode == "full":
-        floats, full, aux = torch.func.vjp(call, pf, xf, has_aux=True)
+        floats, full, aux = _vjp(call, pf, xf)
         return result(floats, aux), Pullback(full=full)
     # split: a vjp in x around a vjp in the parameters, over one forward
     inner: list[Any] = []
 
     def of_x(xf_: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        floats_, pull_p, aux_ = torch.func.vjp(lambda p: call(p, xf_), pf, has_aux=True)
+        floats_, pull_p, aux_ = _vjp(lambda p: call(p, xf_), pf)
         inner.append(pull_p)
         return floats_, aux_
 
     if not x_wrt:  # nothing to send upstream: the weights' pullback alone
-        floats, pull_p, aux = torch.func.vjp(lambda p: call(p, ()), pf, has_aux=True)
+        floats, pull_p, aux = _vjp(lambda p: call(p, ()), pf)
         return result(floats, aux), Pullback(of_p=pull_p)
-    floats, pull_x, aux = torch.func.vjp(of_x, xf, has_aux=True)
+    floats, pull_x, aux = _vjp(of_x, xf)
     return result(floats, aux), Pullback(of_x=pull_x, of_p=inner[0])

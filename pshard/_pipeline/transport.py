@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -113,8 +113,10 @@ class Link:
         self.group = comm.group
         self.debug = comm.debug
         backend = str(dist.get_backend(comm.group)).lower() if comm.group is not None else ""
-        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else (
-            torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in backend
+            else (torch.device("cpu"))
         )
 
     def _peer(self, index: int) -> int:
@@ -155,7 +157,7 @@ class Outbox:
         self,
         msg: Message,
         tensors: Sequence[torch.Tensor] | None,
-        header: Layout | None | bool = False,
+        header: Layout | None | Literal[False] = False,
     ) -> None:
         """Send ``msg``: its envelope in debug mode, a header when ``header`` is not
         ``False`` (a layout, or ``None``: no data follows), then ``tensors`` (``None``: none)."""
