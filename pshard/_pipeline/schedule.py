@@ -222,9 +222,8 @@ class PipelineSchedule:
         ]
         for start in range(0, max(ticks, 1), step):
             cols = range(start, min(ticks, start + step))
-            lines.append(
-                "tick".ljust(len(head)) + " | " + " ".join(str(t).ljust(cell) for t in cols)
-            )
+            ticks_row = " ".join(str(t).ljust(cell) for t in cols)
+            lines.append("tick".ljust(len(head)) + " | " + ticks_row.rstrip())
             for r, row in enumerate(cells):
                 text = " ".join(row[t].ljust(cell) for t in cols)
                 lines.append(f"rank {r}".ljust(len(head)) + " | " + text.rstrip())
