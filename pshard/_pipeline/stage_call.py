@@ -6,11 +6,9 @@ runs ``fn(params, x)`` and returns its output with a :class:`Pullback`:
 
 - ``mode="full"``: one ``torch.func.vjp`` with respect to the parameters and to ``x``; the
   pullback gives both cotangents at once (``B``).
-- ``mode="split"`` (zero bubble): a ``torch.func.vjp`` with respect to ``x`` around one with
-  respect to the parameters, over a single forward; :meth:`Pullback.inputs` gives ``x``'s
-  cotangent (``I``), :meth:`Pullback.weights` the parameters' (``W``). The weight pass
-  walks the stage's graph again from its output (for a stage of several layers it recomputes
-  the activation cotangents the input pass computed).
+- ``mode="split"`` (zero bubble): one forward under autograd whose backward is cut in two
+  (:mod:`pshard._pipeline.split_backward`): :meth:`Pullback.inputs` gives ``x``'s cotangent
+  (``I``), :meth:`Pullback.weights` the parameters' (``W``), each part of the graph run once.
 - ``mode="none"``: the plain call (no gradient wanted).
 
 Only floating-point (and complex) tensors are differentiated: integer leaves of the
@@ -28,6 +26,7 @@ import torch
 from optree import PyTreeSpec
 
 from .._core.tree import NAMESPACE, tree_flatten
+from .split_backward import SplitBackward, run_split
 
 __all__ = ["Pullback", "StageParams", "differentiable", "flat", "run_stage"]
 
@@ -76,10 +75,12 @@ class Pullback:
     """The backward of one stage call: ``both(ct)``, or ``inputs(ct)`` then ``weights(ct)``
     (``mode="split"``); each returns cotangents of the differentiated leaves, in order."""
 
-    def __init__(self, full: Any = None, of_x: Any = None, of_p: Any = None) -> None:
+    def __init__(
+        self, full: Any = None, of_p: Any = None, split: SplitBackward | None = None
+    ) -> None:
         self._full = full
-        self._of_x = of_x
         self._of_p = of_p
+        self._split = split
 
     def both(self, ct: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         if self._full is None:  # a split call: both halves
@@ -90,13 +91,15 @@ class Pullback:
         return gp, gx
 
     def inputs(self, ct: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-        if self._of_x is None:
+        if self._split is None:
             return ()
-        (gx,) = self._of_x(ct)
-        self._of_x = None
-        return tuple(gx)
+        return self._split.inputs(ct)
 
     def weights(self, ct: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+        if self._split is not None:
+            grads = self._split.weights()
+            self._split = None
+            return grads
         (gp,) = self._of_p(ct)
         self._of_p = None
         return tuple(gp)
@@ -157,16 +160,8 @@ def run_stage(
     if mode == "full":
         floats, full, aux = _vjp(call, pf, xf)
         return result(floats, aux), Pullback(full=full)
-    # split: a vjp in x around a vjp in the parameters, over one forward
-    inner: list[Any] = []
-
-    def of_x(xf_: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        floats_, pull_p, aux_ = _vjp(lambda p: call(p, xf_), pf)
-        inner.append(pull_p)
-        return floats_, aux_
-
-    if not x_wrt:  # nothing to send upstream: the weights' pullback alone
+    if not x_wrt:  # split, but nothing to send upstream: the weights' pullback alone
         floats, pull_p, aux = _vjp(lambda p: call(p, ()), pf)
         return result(floats, aux), Pullback(of_p=pull_p)
-    floats, pull_x, aux = _vjp(of_x, xf)
-    return result(floats, aux), Pullback(of_x=pull_x, of_p=inner[0])
+    floats, aux, split = run_split(call, pf, xf)  # one autograd graph, cut at the weights
+    return result(floats, tuple(a.detach() for a in aux)), Pullback(split=split)

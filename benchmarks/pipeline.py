@@ -1,0 +1,265 @@
+"""ps.pipeline_value_and_grad against torch.distributed.pipelining on the same stages.
+
+The model: ``--nprocs`` ranks, each holding ``--virtual`` stages (one, but for
+``interleaved_1f1b``) of ``--layers`` blocks ``Linear(W, W)`` + GELU (width ``--width``,
+float32); the loss is the squared error against a target summed over ``--rows`` rows, cut into
+``--microbatches`` microbatches. The two sides run the same modules:
+
+- **torch**: ``torch.distributed.pipelining.PipelineStage`` around each stage's module and
+  ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (``scale_grads=False``:
+  the gradient of the summed loss), ``schedule.step(x, target=t, losses=...)``, which runs
+  ``.backward()``; gradients in the modules' ``.grad``;
+- **pshard**: ``ps.pipeline_value_and_grad(stage, loss, schedule=...)`` with ``stage(params,
+  x) = torch.func.functional_call(module, params, x)``; gradients returned. Also
+  ``"zero_bubble"`` (torch's zero-bubble schedules need a different stage split).
+
+Measured, per schedule:
+
+- ``step``: one step's time on every rank (the slowest rank's), median over ``--steps``
+  paired steps after one warm-up step each: torch and pshard built in the same processes,
+  their steps alternating (the order swapped each pair), so that both see the same load; the
+  ratio is the median over the pairs of pshard / torch;
+- ``idle``: the share of the step a rank spends with nothing to compute, ``1 - compute /
+  step``, where ``compute`` is the rank's forwards and backwards of all microbatches timed on
+  their own (no communication) in the same process: the measured bubble, averaged over the
+  ranks; for pshard also the time its ranks wait for messages, from its trace
+  (``pshard._pipeline.executor.record``);
+- ``theory``: the schedule's bubble, ``(N - 1) / (M + N - 1)`` for GPipe and 1F1B,
+  ``(N - 1) / (v M + N - 1)`` interleaved, zero bubble's from its timeline
+  (``ps.pipeline_schedule(...).bubble_fraction()``, a backward costing two forwards);
+- ``peak``: per-rank resident high-water mark (``ru_maxrss``) over a few steps, minus the
+  resident size before the stages were built, the largest over the ranks, each side in fresh
+  processes of its own (``MALLOC_MMAP_THRESHOLD_=131072``: freed blocks go back to the
+  system).
+
+Targets (issue 38): pshard's step at most 1.0x torch's for the same schedule; zero bubble's
+idle time measurably below 1F1B's; pshard's 1F1B peak at most torch's.
+
+    python benchmarks/pipeline.py [--width 1024] [--layers 2] [--rows 2048] [--microbatches 8]
+        [--nprocs 2] [--steps 5] [--schedules gpipe 1f1b interleaved_1f1b zero_bubble]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from _memory import peak_mib, rss_mib, trim  # noqa: E402
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved_1f1b": "ScheduleInterleaved1F1B"}  # fmt: skip
+
+
+def _modules(args, rank, v):
+    import torch
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.Linear(args.width, args.width) for _ in range(args.layers)
+            )
+
+        def forward(self, x):
+            for lay in self.layers:
+                x = torch.nn.functional.gelu(lay(x))
+            return x
+
+    out = []
+    for k in range(v):
+        torch.manual_seed(k * args.nprocs + rank)  # the same weights on both sides
+        out.append(Stage())
+    return out
+
+
+def _data(args):
+    import torch
+
+    g = torch.Generator().manual_seed(123)
+    return (torch.randn(args.rows, args.width, generator=g),
+            torch.randn(args.rows, args.width, generator=g))  # fmt: skip
+
+
+def _loss(y, t):
+    return ((y - t) ** 2).sum()
+
+
+def _torch_step(args, schedule, mods):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pp
+
+    n, rank = args.nprocs, dist.get_rank()
+    v = len(mods)
+    stages = [
+        pp.PipelineStage(m, k * n + rank, v * n, torch.device("cpu")) for k, m in enumerate(mods)
+    ]
+    cls = getattr(pp, TORCH_SCHEDULES[schedule])
+    if v > 1:
+        sched = cls(stages, args.microbatches, loss_fn=_loss, scale_grads=False)
+    else:
+        sched = cls(stages[0], args.microbatches, loss_fn=_loss, scale_grads=False)
+    x, t = _data(args)
+
+    def step():
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        losses = []
+        if rank == 0:
+            sched.step(x, target=t if n == 1 else None, losses=losses)
+        elif rank == n - 1:
+            sched.step(target=t, losses=losses)
+        else:
+            sched.step()
+        return [p.grad for m in mods for p in m.parameters()]
+
+    return step
+
+
+def _pshard_step(args, schedule, mods):
+    import torch
+
+    import pshard as ps
+
+    v = len(mods)
+    base = mods[0]
+
+    def stage(params, x):
+        return torch.func.functional_call(base, params, (x,))
+
+    params = [{k: p.detach() for k, p in m.named_parameters()} for m in mods]
+    stages = [stage] * (v * args.nprocs) if schedule == "interleaved_1f1b" else stage
+    fn = ps.pipeline_value_and_grad(
+        stages, _loss, num_microbatches=args.microbatches, schedule=schedule
+    )
+    x, t = _data(args)
+    p = tuple(params) if schedule == "interleaved_1f1b" else params[0]
+    return lambda: fn(p, x, t)
+
+
+def _compute_time(args, mods):
+    """This rank's forwards and backwards of every microbatch, without communication."""
+    import torch
+
+    x, _ = _data(args)
+    chunks = x.chunk(args.microbatches)
+    start = time.perf_counter()
+    for m in mods:
+        for c in chunks:
+            out = m(c.requires_grad_())
+            out.backward(torch.ones_like(out))
+    for m in mods:
+        m.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def _timed(args, schedule):
+    """One rank: paired steps of torch and pshard; their times, the compute time, and
+    pshard's waits."""
+    import torch
+    import torch.distributed as dist
+
+    import pshard as ps
+    from pshard._pipeline.executor import record
+
+    torch.set_num_threads(1)
+    ps.init_mesh({"pp": args.nprocs})
+    v = args.virtual if schedule == "interleaved_1f1b" else 1
+    mods = _modules(args, dist.get_rank(), v)
+    sides = {"pshard": _pshard_step(args, schedule, mods)}
+    if schedule in TORCH_SCHEDULES:
+        sides["torch"] = _torch_step(args, schedule, mods)
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    waits = []
+    for name, step in sides.items():  # warm-up
+        step()
+    compute = min(_compute_time(args, mods) for _ in range(2))
+    for i in range(args.steps):
+        order = list(sides) if i % 2 == 0 else list(reversed(sides))
+        for name in order:
+            dist.barrier()
+            with record() as events:
+                start = time.perf_counter()
+                sides[name]()
+                times[name].append(time.perf_counter() - start)
+            if name == "pshard":
+                waits.append(sum(e.end - e.start for e in events if e.what == "wait"))
+    return times, compute, waits
+
+
+def _peak(args, side, schedule):
+    """One rank in fresh processes: the resident high-water mark over a few steps."""
+    import torch
+    import torch.distributed as dist
+
+    import pshard as ps
+
+    torch.set_num_threads(1)
+    ps.init_mesh({"pp": args.nprocs})
+    trim()
+    before = rss_mib()
+    v = args.virtual if schedule == "interleaved_1f1b" else 1
+    mods = _modules(args, dist.get_rank(), v)
+    step = (_torch_step if side == "torch" else _pshard_step)(args, schedule, mods)
+    for _ in range(3):
+        step()
+    return peak_mib() - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--virtual", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+    )
+    parser.add_argument("--no-memory", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    import pshard as ps
+
+    n, m = args.nprocs, args.microbatches
+    print(f"{n} ranks, width {args.width}, {args.layers} layers per stage, {args.rows} rows in "
+          f"{m} microbatches, float32, gloo on CPU, one thread per rank")  # fmt: skip
+    head = (f"{'schedule':<18}{'side':<8}{'step ms':>9}{'ratio':>7}{'idle':>7}{'waits':>7}"
+            f"{'theory':>8}{'peak MiB':>10}")  # fmt: skip
+    print(head)
+    for schedule in args.schedules:
+        v = args.virtual if schedule == "interleaved_1f1b" else 1
+        theory = ps.pipeline_schedule(schedule, num_ranks=n, num_microbatches=m,
+                                      virtual_stages=v).bubble_fraction()  # fmt: skip
+        ranks = ps.spawn(_timed, args, schedule, nprocs=n, timeout=1800)
+        peaks = {}
+        if not args.no_memory:
+            for side in ("pshard", "torch") if schedule in TORCH_SCHEDULES else ("pshard",):
+                peaks[side] = max(ps.spawn(_peak, args, side, schedule, nprocs=n, timeout=1800))
+        sides = list(ranks[0][0])
+        step = {s: [max(r[0][s][i] for r in ranks) for i in range(args.steps)] for s in sides}
+        compute = [r[1] for r in ranks]
+        waits = [statistics.median(r[2]) for r in ranks]
+        for side in sides:
+            med = statistics.median(step[side])
+            idle = statistics.mean(1 - c / med for c in compute)
+            ratio = ""
+            if side == "pshard" and "torch" in step:
+                ratio = f"{statistics.median(a / b for a, b in zip(step['pshard'], step['torch'], strict=True)):.2f}"  # noqa: E501
+            wait = f"{statistics.mean(w / med for w in waits):.0%}" if side == "pshard" else ""
+            peak = f"{peaks[side]:.0f}" if side in peaks else ""
+            print(f"{schedule:<18}{side:<8}{med * 1e3:>9.1f}{ratio:>7}{idle:>7.0%}{wait:>7}"
+                  f"{theory:>8.0%}{peak:>10}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
