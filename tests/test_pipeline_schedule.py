@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -200,3 +201,21 @@ def test_bad_arguments():
         ps.pipeline_schedule("1f1b", num_ranks=2, num_microbatches=2, virtual_stages=2)
     with pytest.raises(ValueError, match="num_ranks"):
         ps.pipeline_schedule("1f1b", num_ranks=0, num_microbatches=2)
+
+
+def test_the_diagrams_in_the_docs_are_the_schedules():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
+    blocks = re.findall(r"```text\n(.*?)\n```", docs, flags=re.S)
+    head = re.compile(r"(\w+): (\d+) ranks, (\d+) microbatches(?:, (\d+) stages per rank)?;")
+    drawn = 0
+    for block in blocks:
+        found = head.match(block)
+        if found is None:
+            continue
+        name, n, m, v = found.group(1), int(found.group(2)), int(found.group(3)), found.group(4)
+        ticks = block.splitlines()[1].split("| ")[1].split()
+        s = _schedule(name, n, m, int(v or 1))
+        width = len(ticks) if len(ticks) < s.num_ticks else None
+        assert block == s.render(width=width)
+        drawn += 1
+    assert drawn == 4

@@ -3,7 +3,8 @@
 The model is cut into stages along a mesh axis, rank ``r`` running stage ``r`` (and ``r +
 N``, ... under ``"interleaved_1f1b"``). The batch is cut into microbatches that flow through
 the stages as the schedule says (:mod:`pshard._pipeline.schedule`), each stage's forward
-under ``torch.func.vjp`` and each backward through its pullback
+under ``torch.func.vjp`` (under zero bubble, autograd with the backward cut in two:
+:mod:`pshard._pipeline.split_backward`) and each backward through its pullback
 (:mod:`pshard._pipeline.executor`).
 """
 
@@ -66,9 +67,9 @@ def pipeline_value_and_grad(
       stages ``r, r + N, ...``; ``params`` and the gradients are tuples of its ``v`` trees.
       Bubble ``(N - 1) / (v * M + N - 1)`` when ``M`` is a multiple of ``N``.
     - ``"zero_bubble"`` (ZB-H1): each backward cut into the input cotangent, sent upstream at
-      once, and the weight cotangent, computed where the rank would wait (``torch.func.vjp``
-      with respect to the input around one with respect to the weights); about a third of
-      1F1B's bubble, at most ``N`` microbatches alive.
+      once, and the weight cotangent, computed where the rank would wait (the stage's
+      autograd graph cut at the nodes the weights hang off: each product of the backward
+      runs once); about a third of 1F1B's bubble, at most ``N`` microbatches alive.
 
     ``pshard.pipeline_schedule`` shows any of them as a timeline. Every schedule gives the
     same loss and gradients as one process running the stages in sequence, to rounding;
