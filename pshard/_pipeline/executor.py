@@ -37,7 +37,7 @@ from .transport import NO_DATA, Inbox, Layout, Link, Outbox
 
 __all__ = ["Event", "Executor", "Failure", "record"]
 
-_LOOKAHEAD = 3  # actions whose receives are posted ahead
+_LOOKAHEAD = 2  # actions whose receives are posted ahead
 _DETAIL = 768  # bytes of each rank's error text in the status exchange
 
 _TRACE: contextvars.ContextVar[list[Event] | None] = contextvars.ContextVar(

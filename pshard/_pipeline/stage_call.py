@@ -86,7 +86,9 @@ class Pullback:
         if self._full is None:  # a split call: both halves
             gx = self.inputs(ct)
             return self.weights(ct), gx
-        gp, gx = self._full(ct)
+        # retain_graph=False: each node's saved tensors go as soon as it ran (torch.func's
+        # default keeps them all until the pullback itself is dropped)
+        gp, gx = self._full(ct, retain_graph=False)
         self._full = None
         return gp, gx
 
@@ -100,7 +102,7 @@ class Pullback:
             grads = self._split.weights()
             self._split = None
             return grads
-        (gp,) = self._of_p(ct)
+        (gp,) = self._of_p(ct, retain_graph=False)
         self._of_p = None
         return tuple(gp)
 
