@@ -1,8 +1,8 @@
 """ps.pipeline_value_and_grad and ps.pipeline against one process running the stages in
 sequence, float64, on 4 ranks: every schedule (uneven microbatches, fewer than the stages),
-heterogeneous stages (an embedding, a feature size that changes, a cross-entropy head),
-interleaved stages, and the differentiable forward under torch.func.grad, vjp and
-.backward()."""
+heterogeneous stages (an embedding, a tuple with an integer tensor between stages, a feature
+size that changes, a cross-entropy head; once in debug mode), interleaved stages, and the
+differentiable forward under torch.func.grad, vjp and .backward()."""
 
 from __future__ import annotations
 
@@ -114,12 +114,14 @@ def embed(p, tokens):
     return torch.tanh(p["emb"][tokens] @ p["w"])
 
 
-def middle(p, h):
-    return torch.tanh(h @ p["w"] + p["b"])
+def middle(p, h):  # hands on a tuple: a float and an integer tensor
+    h = torch.tanh(h @ p["w"] + p["b"])
+    return h, (h > 0).sum(-1)
 
 
-def widen(p, h):
-    return torch.tanh(h @ p["w"])
+def widen(p, hc):
+    h, count = hc
+    return torch.tanh(h @ p["w"]) * (1 + count.unsqueeze(-1))
 
 
 def head(p, h):
@@ -148,7 +150,8 @@ def rank_heterogeneous(schedule):
     step = ps.pipeline_value_and_grad(
         [embed, middle, widen, head], ce, num_microbatches=3, schedule=schedule
     )
-    loss, grads = step(params[r], tokens, labels)
+    with ps.debug(schedule == "zero_bubble"):  # every message checked on arrival
+        loss, grads = step(params[r], tokens, labels)
     ref_loss, ref_grads = _reference(params, tokens, labels, 3, loss_fn=ce, model=lm)
     return abs(loss.item() - ref_loss.item()), _max_diff(grads, ref_grads[r])
 
