@@ -91,19 +91,8 @@ class _Run:
         if last in fns:
             head = fns[last]
             fns[last] = lambda p, x, m: head(p, x)
-        ex = Executor(
-            fn_name=_FN,
-            axis=prep.axis_name,
-            link=prep.link,
-            schedule=prep.schedule,
-            fns=fns,
-            params=prep.params,
-            inputs=mbs,
-            sizes=prep.microbatches.sizes,
-            split_dim=prep.microbatches.split_dim,
-            mode="full" if self.grad else "none",
-            input_grads=self.grad,
-        )
+        mode = "full" if self.grad else "none"
+        ex = prep.executor(_FN, fns, mbs, mode=mode, input_grads=self.grad)
         self.ex, self.prep = ex, prep
         ex.run("F")
         out: tuple[torch.Tensor, ...] = ()

@@ -22,6 +22,7 @@ import torch
 from .._core.tree import describe
 from .._runtime.mesh import Axis
 from .._runtime.wire import comm
+from .executor import Executor
 from .schedule import SCHEDULES, PipelineSchedule, build_schedule
 from .split import Microbatches, split_microbatches
 from .stage_call import StageParams
@@ -41,6 +42,24 @@ class Prepared:
     fns: dict[int, Callable[..., Any]]
     params: dict[int, StageParams]
     microbatches: Microbatches
+
+    def executor(
+        self, fn_name: str, fns: dict[int, Callable[..., Any]], inputs: Sequence[Any], **kw: Any
+    ) -> Executor:
+        """An :class:`Executor` of this call with these stage functions and first inputs
+        (``kw``: its ``mode``, ``loss``, ``input_grads``)."""
+        return Executor(
+            fn_name=fn_name,
+            axis=self.axis_name,
+            link=self.link,
+            schedule=self.schedule,
+            fns=fns,
+            params=self.params,
+            inputs=inputs,
+            sizes=self.microbatches.sizes,
+            split_dim=self.microbatches.split_dim,
+            **kw,
+        )
 
 
 def check_stages(stages: Any, fn_name: str) -> None:

@@ -233,12 +233,19 @@ class Inbox:
                 return
             self.cursor += 1
 
+    def _small(
+        self, posted: tuple[Any, torch.Tensor] | None, length: int
+    ) -> tuple[Any, torch.Tensor]:
+        """A receive of ``length`` int64s (an envelope, a header), posted if not yet."""
+        if posted is not None:
+            return posted
+        buf = torch.empty(length, dtype=torch.int64, device=self.link.device)
+        return self.link.irecv(buf, self.src), buf
+
     def _advance(self, slot: _Slot, block: bool) -> bool:
         link, msg = self.link, slot.msg
         if link.debug and not slot.checked:
-            if slot.envelope is None:
-                buf = torch.empty(_ENVELOPE, dtype=torch.int64, device=link.device)
-                slot.envelope = (link.irecv(buf, self.src), buf)
+            slot.envelope = self._small(slot.envelope, _ENVELOPE)
             if not (block or slot.envelope[0].is_completed()):
                 return False
             slot.envelope[0].wait()
@@ -253,9 +260,7 @@ class Inbox:
             if not (isinstance(expected, str) and expected == "header"):
                 slot.layout = expected
             else:
-                if slot.header is None:
-                    buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=link.device)
-                    slot.header = (link.irecv(buf, self.src), buf)
+                slot.header = self._small(slot.header, HEADER_LEN)
                 if not (block or slot.header[0].is_completed()):
                     return False
                 slot.header[0].wait()

@@ -18,7 +18,7 @@ import torch
 from .._core.checks import WIRE_DTYPES, check_int
 from .._core.tree import describe
 from .._runtime.mesh import Axis
-from .executor import Executor, loss_code
+from .executor import loss_code
 from .schedule import SCHEDULES
 from .setup import check_stages, prepare
 
@@ -154,19 +154,8 @@ def pipeline_value_and_grad(
         if last in fns:
             head = fns[last]
             fns[last] = lambda p, x, m: loss_fn(head(p, x), pairs[m][1])
-        ex = Executor(
-            fn_name=_FN,
-            axis=prep.axis_name,
-            link=prep.link,
-            schedule=prep.schedule,
-            fns=fns,
-            params=prep.params,
-            inputs=[pair[0] for pair in pairs],
-            sizes=prep.microbatches.sizes,
-            split_dim=prep.microbatches.split_dim,
-            mode="split" if schedule == "zero_bubble" else "full",
-            loss=True,
-        )
+        mode = "split" if schedule == "zero_bubble" else "full"
+        ex = prep.executor(_FN, fns, [pair[0] for pair in pairs], mode=mode, loss=True)
         ex.run()
         total = ex.loss.item() if ex.loss is not None else 0.0
         code = loss_code(ex.loss_dtype) if ex.loss_dtype is not None else 0
