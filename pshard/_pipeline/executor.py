@@ -177,7 +177,7 @@ class Executor:
             self.outbox.reap()
         self.outbox.wait()
 
-    def _fail(self, kind: int, stage: int, text: str, exc: BaseException | None = None) -> None:
+    def fail(self, kind: int, stage: int, text: str, exc: BaseException | None = None) -> None:
         if self.failure is None:
             self.failure = Failure(kind, stage, text, exc)
 
@@ -192,7 +192,7 @@ class Executor:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - raised again at the end, on this rank
-            self._fail(
+            self.fail(
                 2,
                 a.stage,
                 f"{self._where(a.stage)} raised {type(e).__name__}: {e} (in {a})",
@@ -234,7 +234,7 @@ class Executor:
             layout, tensors = self._receive(step.recv[0])
             self.got[(s, m)] = layout
             if layout is NO_DATA:
-                self._fail(3, s, f"{self._where(s)} got no input for microbatch {m}")
+                self.fail(3, s, f"{self._where(s)} got no input for microbatch {m}")
                 x = None
             else:
                 x = layout.build(tensors)
@@ -262,7 +262,7 @@ class Executor:
         value = out.value
         if self.loss_mode:
             if not (isinstance(value, torch.Tensor) and value.ndim == 0 and out.floats):
-                self._fail(1, s, (
+                self.fail(1, s, (
                     f"{self.fn_name}: loss_fn returned {describe(value)} for microbatch {m} "
                     f"(on {self._where(s)}); it must return the microbatch's loss, a "
                     f"floating-point scalar (reduce it, e.g. with .sum())"
@@ -272,7 +272,7 @@ class Executor:
             loss = value.detach().to(torch.float64)
             self.loss = loss if self.loss is None else self.loss + loss
         elif self.mode != "none" and not out.floats:
-            self._fail(1, s, (
+            self.fail(1, s, (
                 f"{self.fn_name}: {self._where(s)} returned {describe(value)}: nothing to "
                 f"differentiate (the last stage's output needs a floating-point tensor)"
             ))  # fmt: skip
@@ -326,7 +326,7 @@ class Executor:
                     ),
                 )
             if problem is not None:
-                self._fail(problem[0], s, problem[1])
+                self.fail(problem[0], s, problem[1])
                 value = None
         if value is not None:
             layout = Layout.of(value)
@@ -386,7 +386,7 @@ class Executor:
             self.saved_ct[key] = ct
         pull = self.pulls.get(key)
         if ct is None or pull is None:
-            self._fail(3, s, f"{self._where(s)} got no cotangent for microbatch {m}")
+            self.fail(3, s, f"{self._where(s)} got no cotangent for microbatch {m}")
         gx: Any = None
         if inputs and weights:
             got = self._compute(a, lambda: pull.both(ct))  # type: ignore[union-attr]

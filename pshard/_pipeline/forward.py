@@ -126,7 +126,7 @@ class _Run:
         ):
             bad = next(v for v, lay in zip(values, layouts, strict=True) if lay is None or any(
                 len(s) <= d for _, s in lay.leaves))  # fmt: skip
-            ex._fail(1, last, (
+            ex.fail(1, last, (
                 f"{_FN}: the last stage (stage {last}) returned {_text(bad)}; its outputs are "
                 f"concatenated over microbatches along the split dim {d}, so it must return a "
                 f"tensor or a tuple of tensors with more than {d} dims"
