@@ -1,5 +1,6 @@
-"""Zero bubble's backward cut in two (input cotangent, then weight cotangent) against the
-whole backward of torch.func.vjp, on one process, float64: every op run once, weights tied
+"""Zero bubble's backward cut in two (input cotangent, then weight cotangent), and the
+autograd backward that adds into the parameters' leaves, against the whole backward of
+torch.func.vjp, on one process, float64: every op run once, weights tied
 across layers, outputs that do not depend on the input, integer outputs, ps.checkpoint and an
 embedding inside the stage."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.autograd.graph import GradientEdge
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pshard as ps
@@ -50,7 +52,7 @@ def checkpointed(p, x):
 def _check(fn):
     params = StageParams(_params())
     x = torch.randn(5, 4, dtype=f64)
-    full_out, full = run_stage(fn, params, x, wrt_x=True, mode="full")
+    full_out, full = run_stage(fn, params, x, wrt_x=True, mode="vjp")
     out, split = run_stage(fn, params, x, wrt_x=True, mode="split")
     cts = tuple(torch.randn_like(t) for t in full_out.floats)
     gp, gx = full.both(cts)
@@ -68,6 +70,27 @@ def test_split_backward_equals_the_whole(fn):
     out = _check(fn)
     if fn is two_outputs:
         assert out.value[2].tolist() == [0, 3, 6]
+
+
+def test_autograd_backward_adds_into_the_leaves_and_keeps_no_output():
+    params = StageParams(_params())
+    x = torch.randn(5, 4, dtype=f64)
+    total = None
+    for scale in (1.0, 2.0):  # two microbatches: their gradients add up in the leaves
+        ref_out, ref = run_stage(mlp, StageParams(_params()), x * scale, wrt_x=True, mode="vjp")
+        out, pull = run_stage(mlp, params, x * scale, wrt_x=True, mode="full")
+        assert isinstance(pull._graph[0][0], GradientEdge)  # not the output: it may go
+        ct = (torch.ones(5, 4, dtype=f64),)
+        gp, gx = pull.both(ct)
+        ref_gp, ref_gx = ref.both(ct)
+        assert gp is None  # added into the leaves
+        torch.testing.assert_close(gx, ref_gx)
+        pairs = zip(total or ref_gp, ref_gp, strict=True)
+        total = ref_gp if total is None else tuple(a + b for a, b in pairs)
+        assert pull._graph is None  # dropped with its backward
+    for got, want in zip(params.accumulated(), total, strict=True):
+        torch.testing.assert_close(torch.zeros_like(want) if got is None else got, want)
+    assert sum(g is None for g in params.accumulated()) == 1  # "emb": no gradient reached it
 
 
 class _Count(TorchDispatchMode):

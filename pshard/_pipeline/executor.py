@@ -94,7 +94,8 @@ class Executor:
         inputs: the first stage's input of each microbatch.
         sizes: each microbatch's size along the split dim.
         split_dim: the split dim of activations (their shape beyond it must not change).
-        mode: ``"full"``, ``"split"`` (zero bubble) or ``"none"`` (no gradient).
+        mode: ``"full"``, ``"vjp"``, ``"split"`` (zero bubble) or ``"none"`` (no gradient):
+            see :mod:`pshard._pipeline.stage_call`.
         loss: the last stage returns the microbatch's loss (a scalar), summed here.
         input_grads: differentiate the first stage with respect to its inputs too.
     """
@@ -129,7 +130,7 @@ class Executor:
         self.input_grads = input_grads
         self.last = schedule.num_stages - 1
         self.plan = rank_plan(schedule, link.rank)
-        self.header_mbs = {m for m, n in enumerate(self.sizes) if n not in self.sizes[:m]}
+        self.layouts = _Layouts(self.sizes)
         self.failure: Failure | None = None
         self.pulls: dict[tuple[int, int], Pullback | None] = {}
         self.saved_ct: dict[tuple[int, int], Any] = {}
@@ -139,12 +140,8 @@ class Executor:
         self.outputs: dict[int, Any] = {}  # the last stage's outputs (no loss)
         self.out_cts: dict[int, Any] = {}  # their cotangents, given from outside
         self.input_cts: dict[int, tuple[Any, ...]] = {}  # the first stage's inputs' cotangents
-        # layouts: the first one of each stage's outputs; per (stage, size) sent and received;
-        # per (stage, microbatch) what was sent (its cotangent comes back with that layout)
+        # the layout of each stage's first output (the others must match it beyond the split dim)
         self.first: dict[int, tuple[int, Layout]] = {}
-        self.sent_class: dict[tuple[int, int], Any] = {}
-        self.recv_class: dict[tuple[int, int], Any] = {}
-        self.sent: dict[tuple[int, int], Any] = {}
         self.got: dict[tuple[int, int], Any] = {}  # the layout of each stage's input
         self.local: dict[Action, Any] = {}
         self.outbox = Outbox(link)
@@ -152,7 +149,8 @@ class Executor:
         for src in range(link.size):
             msgs = schedule.channel(src, link.rank)
             if src != link.rank and msgs:
-                self.inboxes[src] = Inbox(link, src, msgs, self._expect, self._on_header)
+                lay = self.layouts  # not the executor: no cycle through the inboxes
+                self.inboxes[src] = Inbox(link, src, msgs, lay.expect, lay.on_header)
         self.trace = _TRACE.get()
 
     # --- running ---------------------------------------------------------------------------
@@ -161,6 +159,7 @@ class Executor:
         """Run this rank's actions whose kind is in ``kinds``, in the plan's order."""
         steps = [s for s in self.plan if s.action.kind in kinds]
         for i, step in enumerate(steps):
+            self.outbox.settle(step.tick)
             for ahead in steps[i : i + _LOOKAHEAD]:
                 for msg in ahead.recv:
                     if msg.src != self.link.rank:
@@ -174,7 +173,6 @@ class Executor:
                 self._backward(step, inputs=True, weights=False)
             else:
                 self._backward(step, inputs=False, weights=True)
-            self.outbox.reap()
         self.outbox.wait()
 
     def fail(self, kind: int, stage: int, text: str, exc: BaseException | None = None) -> None:
@@ -311,16 +309,17 @@ class Executor:
     def _send_activation(self, msg: Message, value: Any) -> None:
         s, m = msg.stage, msg.microbatch
         key = (s, self.sizes[m])
-        header = m in self.header_mbs
+        header = m in self.layouts.header_mbs
+        sent_class = self.layouts.sent_class
         if value is not None:
             problem = self._layout_problem(s, m, value)
-            if problem is None and not header and Layout.of(value) != self.sent_class[key]:
+            if problem is None and not header and Layout.of(value) != sent_class[key]:
                 m0 = self.sizes.index(self.sizes[m])
                 problem = (
                     1,
                     (
                         f"{self.fn_name}: {self._where(s)} returned {Layout.of(value).describe()} "
-                        f"for microbatch {m} but {self.sent_class[key].describe()} for microbatch "
+                        f"for microbatch {m} but {sent_class[key].describe()} for microbatch "
                         f"{m0} of the same size: a stage's output shape must depend on the "
                         f"microbatch's size alone"
                     ),
@@ -335,28 +334,13 @@ class Executor:
         elif header:
             layout, tensors = NO_DATA, ()
         else:  # the agreed layout, zeros in place of what could not be computed
-            layout = self.sent_class[key]
+            layout = sent_class[key]
             tensors = () if layout is NO_DATA else _zeros(layout, self.link.device)
         if header:
-            self.sent_class[key] = layout
-        self.sent[(s, m)] = layout
+            sent_class[key] = layout
+        self.layouts.sent[(s, m)] = layout
         said = (None if layout is NO_DATA else layout) if header else False
         self._send(msg, layout, tensors, said)
-
-    # --- receiving layouts -------------------------------------------------------------------
-
-    def _expect(self, msg: Message) -> Any:
-        if msg.kind == "activation":
-            if msg.microbatch in self.header_mbs:
-                return "header"
-            return self.recv_class.get((msg.stage, self.sizes[msg.microbatch]))
-        sent = self.sent.get((msg.stage - 1, msg.microbatch))
-        if sent is None:
-            return None  # not sent yet: known once it is
-        return NO_DATA if sent is NO_DATA else Layout(True, sent.floats())
-
-    def _on_header(self, msg: Message, layout: Any) -> None:
-        self.recv_class[(msg.stage, self.sizes[msg.microbatch])] = layout
 
     # --- backward --------------------------------------------------------------------------
 
@@ -392,7 +376,8 @@ class Executor:
             got = self._compute(a, lambda: pull.both(ct))  # type: ignore[union-attr]
             if got is not None:
                 gp, gx = got
-                self._accumulate(s, gp)
+                if gp is not None:  # else added into the stage's autograd leaves
+                    self._accumulate(s, gp)
         elif inputs:
             gx = self._compute(a, lambda: pull.inputs(ct))  # type: ignore[union-attr]
         else:
@@ -466,9 +451,52 @@ class Executor:
             )
         raise ValueError(text)
 
+    def gradients(self, s: int) -> list[torch.Tensor | None] | None:
+        """Stage ``s``'s gradient, its differentiated leaves in order (``None``: no backward
+        ran), whichever way its backwards added them up."""
+        summed: list[torch.Tensor | None] | None = None
+        if self.grads[s] is not None:
+            summed = list(self.grads[s] or ())
+        leaves = self.params[s].accumulated()
+        if leaves is None:
+            return summed
+        if summed is None:
+            return leaves
+        return [
+            a if b is None else b if a is None else a + b
+            for a, b in zip(summed, leaves, strict=True)
+        ]
+
     def gradient_trees(self) -> dict[int, Any]:
         """Each of this rank's stages' gradient tree."""
-        return {s: self.params[s].tree(self.grads[s]) for s in self.params}
+        return {s: self.params[s].tree(self.gradients(s)) for s in self.params}
+
+
+class _Layouts:
+    """What each message carries, as this rank knows it: activations of each stage and
+    microbatch size (sent and received; the first microbatch of each size brings a header),
+    and what this rank sent of each microbatch (its cotangent comes back with that layout)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.header_mbs = {m for m, n in enumerate(sizes) if n not in sizes[:m]}
+        self.sent_class: dict[tuple[int, int], Any] = {}
+        self.recv_class: dict[tuple[int, int], Any] = {}
+        self.sent: dict[tuple[int, int], Any] = {}
+
+    def expect(self, msg: Message) -> Any:
+        """See :class:`pshard._pipeline.transport.Inbox`."""
+        if msg.kind == "activation":
+            if msg.microbatch in self.header_mbs:
+                return "header"
+            return self.recv_class.get((msg.stage, self.sizes[msg.microbatch]))
+        sent = self.sent.get((msg.stage - 1, msg.microbatch))
+        if sent is None:
+            return None  # not sent yet: known once it is
+        return NO_DATA if sent is NO_DATA else Layout(True, sent.floats())
+
+    def on_header(self, msg: Message, layout: Any) -> None:
+        self.recv_class[(msg.stage, self.sizes[msg.microbatch])] = layout
 
 
 def _same_beyond(a: Layout, b: Layout, dim: int) -> bool:

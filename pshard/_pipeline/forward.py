@@ -91,7 +91,7 @@ class _Run:
         if last in fns:
             head = fns[last]
             fns[last] = lambda p, x, m: head(p, x)
-        mode = "full" if self.grad else "none"
+        mode = "vjp" if self.grad else "none"  # torch.func.vjp: any enclosing transform
         ex = prep.executor(_FN, fns, mbs, mode=mode, input_grads=self.grad)
         self.ex, self.prep = ex, prep
         ex.run("F")
@@ -168,7 +168,7 @@ class _Run:
                 f"gradient (requires_grad); the inputs must be the same on every rank"
             )
         (stage,) = prep.stages
-        got = ex.grads[stage]
+        got = ex.gradients(stage)
         grads: list[Any] = list(got) if got is not None else [None] * len(self.params[2])
         return grads + self._input_grads(ex, prep, [c > 0 for c in counts])
 

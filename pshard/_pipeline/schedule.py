@@ -82,8 +82,10 @@ class Message:
     ``producer`` (an ``F``: an *activation*) or the input cotangent it computed (a ``B`` or an
     ``I``: a *cotangent*), which ``consumer`` takes. ``index`` is its place on the channel
     ``(src, dst)``: the sender sends and the receiver receives that channel's messages in that
-    order. ``tick`` is when ``producer`` ends in the timeline. ``src == dst`` when both stages
-    are on one rank (nothing is sent)."""
+    order. ``tick`` is when ``producer`` ends in the timeline, ``due`` when ``consumer``
+    starts: a sender that has reached ``due`` may wait for the send to complete (the receiver
+    gets there without it). ``src == dst`` when both stages are on one rank (nothing is
+    sent)."""
 
     src: int
     dst: int
@@ -91,6 +93,7 @@ class Message:
     consumer: Action
     index: int
     tick: int
+    due: int
 
     @property
     def kind(self) -> str:
@@ -109,9 +112,11 @@ class Message:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One action of a rank with the messages it waits for and the messages it sends."""
+    """One action of a rank, the tick it starts at, the messages it waits for and the
+    messages it sends."""
 
     action: Action
+    tick: int
     recv: tuple[Message, ...]
     send: tuple[Message, ...]
 
@@ -371,6 +376,11 @@ def _messages(
 ) -> tuple[Message, ...]:
     """Every activation and cotangent that leaves its stage, in channel order."""
     produced: list[tuple[int, int, Action, Action]] = []  # (end tick, src, producer, consumer)
+    starts: dict[Action, int] = {}
+    for row in timeline:
+        for t, a in enumerate(row):
+            if a is not None:
+                starts.setdefault(a, t)
     for r, row in enumerate(timeline):
         for t, a in enumerate(row):
             if a is None or (t > 0 and row[t - 1] is a):
@@ -385,7 +395,7 @@ def _messages(
         dst = _rank_of(consumer.stage, n)
         index = counts.get((src, dst), 0)
         counts[(src, dst)] = index + 1
-        out.append(Message(src, dst, producer, consumer, index, end))
+        out.append(Message(src, dst, producer, consumer, index, end, starts[consumer]))
     return tuple(out)
 
 
@@ -424,8 +434,10 @@ def rank_plan(schedule: PipelineSchedule, rank: int) -> tuple[Step, ...]:
             needs.setdefault(msg.consumer, []).append(msg)
         if msg.src == rank:
             sends.setdefault(msg.producer, []).append(msg)
+    starts = schedule.starts(rank)
     return tuple(
-        Step(a, tuple(needs.get(a, ())), tuple(sends.get(a, ()))) for a in schedule.actions(rank)
+        Step(a, starts[a], tuple(needs.get(a, ())), tuple(sends.get(a, ())))
+        for a in schedule.actions(rank)
     )
 
 

@@ -31,6 +31,11 @@ def _children(node: Node) -> list[Node]:
     return [child for child, _ in node.next_functions if child is not None]
 
 
+def _node(root: Any) -> Node | None:
+    """The node a backward root (a gradient edge or a tensor) starts at."""
+    return root.node if isinstance(root, GradientEdge) else root.grad_fn
+
+
 def _reaching(roots: Sequence[Node], goal: set[Node]) -> dict[Node, bool]:
     """For every node below ``roots``, whether a path leads from it to a node of ``goal``
     (an iterative post-order walk: graphs can be deep)."""
@@ -58,7 +63,11 @@ class SplitBackward:
         params: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor],
     ) -> None:
-        self._outputs = [y for y in outputs if y.requires_grad]
+        # where each output's backward starts (its gradient edge: the output itself need not
+        # stay alive), for those that require a gradient
+        self._outputs: list[Any] = [
+            get_gradient_edge(y) if y.grad_fn is not None else y for y in outputs if y.requires_grad
+        ]
         self._mask = [y.requires_grad for y in outputs]
         self._params = list(params)
         self._inputs = list(inputs)
@@ -87,7 +96,7 @@ class SplitBackward:
     def inputs(self, cts: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
         """The input cotangent; keeps what the weight pass needs."""
         cts = [ct for ct, keep in zip(cts, self._mask, strict=True) if keep]
-        roots = [y.grad_fn for y in self._outputs if y.grad_fn is not None]
+        roots = [n for n in map(_node, self._outputs) if n is not None]
         targets = {get_gradient_edge(x).node for x in self._inputs}
         reaches_x = _reaching(roots, targets)
         reaches_w = _reaching(roots, {get_gradient_edge(p).node for p in self._params})
@@ -116,12 +125,14 @@ class SplitBackward:
             values = [g for g in node_grads if g is not None]
             self._groups.append((edges, values, cut[node]))
         for y, ct in zip(self._outputs, cts, strict=True):  # outputs off the input's paths
-            if y.grad_fn is None or y.grad_fn not in on_path:
+            start = _node(y)
+            if start is None or start not in on_path:
                 weights = {get_gradient_edge(p).node for p in self._params}
-                below = _reaching([y.grad_fn], weights) if y.grad_fn is not None else {}
+                below = _reaching([start], weights) if start is not None else {}
                 reach = [i for i, p in enumerate(self._params)
                          if below.get(get_gradient_edge(p).node, False)]  # fmt: skip
-                self._groups.append(([get_gradient_edge(y)], [ct], reach))
+                edge = y if isinstance(y, GradientEdge) else get_gradient_edge(y)
+                self._groups.append(([edge], [ct], reach))
         counts: dict[int, int] = {}
         for _, _, idx in self._groups:
             for i in idx:

@@ -1,11 +1,17 @@
-"""One stage's forward on one microbatch under ``torch.func.vjp``, and its pullbacks.
+"""One stage's forward on one microbatch, and its pullbacks.
 
 :class:`StageParams` flattens a stage's parameter tree once per call (each
 :class:`~pshard.GlobalTensor` as its block, as ``torch.func`` flattens it); :func:`run_stage`
 runs ``fn(params, x)`` and returns its output with a :class:`Pullback`:
 
-- ``mode="full"``: one ``torch.func.vjp`` with respect to the parameters and to ``x``; the
-  pullback gives both cotangents at once (``B``).
+- ``mode="full"``: the forward under autograd, on the parameters as autograd leaves made
+  once per call and ``x`` as a fresh leaf; the pullback (``B``) adds the parameters'
+  cotangents into their leaves' ``.grad`` as the engine makes them and frees each node's
+  saved tensors as it runs, as ``.backward()`` does (its memory: one parameter's cotangent at
+  a time next to the sum), and returns ``x``'s.
+- ``mode="vjp"``: ``torch.func.vjp`` with respect to the parameters and ``x``; the pullback
+  returns both. ``"full"`` and ``"split"`` run this way too under an enclosing ``torch.func``
+  transform.
 - ``mode="split"`` (zero bubble): one forward under autograd whose backward is cut in two
   (:mod:`pshard._pipeline.split_backward`): :meth:`Pullback.inputs` gives ``x``'s cotangent
   (``I``), :meth:`Pullback.weights` the parameters' (``W``), each part of the graph run once.
@@ -24,7 +30,9 @@ from typing import Any
 import optree
 import torch
 from optree import PyTreeSpec
+from torch.autograd.graph import get_gradient_edge
 
+from .. import _compat as compat
 from .._core.tree import NAMESPACE, tree_flatten
 from .split_backward import SplitBackward, run_split
 
@@ -43,21 +51,34 @@ def flat(tree: Any) -> tuple[list[Any], PyTreeSpec]:
 
 
 class StageParams:
-    """A stage's parameters, flattened: the leaves, which are differentiated, the structure."""
+    """A stage's parameters, flattened: the leaves, which are differentiated, the structure;
+    and, made once per call, the differentiated leaves as autograd leaves (every
+    microbatch's backward adds into their ``.grad``, as ``.backward()`` accumulates)."""
 
     def __init__(self, tree: Any) -> None:
         self.leaves, self.treedef = flat(tree)
         self.wrt = [i for i, leaf in enumerate(self.leaves) if differentiable(leaf)]
+        self._autograd: list[torch.Tensor] | None = None
 
     def float_leaves(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.leaves[i] for i in self.wrt)
 
-    def tree(self, grads: Sequence[torch.Tensor] | None) -> Any:
-        """The gradient tree: ``grads`` in the differentiated places, ``None`` elsewhere
-        (zeros where ``grads`` is ``None``: no microbatch ran)."""
+    def autograd_leaves(self) -> list[torch.Tensor]:
+        if self._autograd is None:
+            self._autograd = [t.detach().requires_grad_() for t in self.float_leaves()]
+        return self._autograd
+
+    def accumulated(self) -> list[torch.Tensor | None] | None:
+        """What the backwards added into the autograd leaves (None: none were made)."""
+        return None if self._autograd is None else [t.grad for t in self._autograd]
+
+    def tree(self, grads: Sequence[torch.Tensor | None] | None) -> Any:
+        """The gradient tree: ``grads`` in the differentiated places (zeros for ``None``:
+        nothing reached it), ``None`` elsewhere."""
         out: list[Any] = [None] * len(self.leaves)
         for k, i in enumerate(self.wrt):
-            out[i] = torch.zeros_like(self.leaves[i]) if grads is None else grads[k]
+            g = None if grads is None else grads[k]
+            out[i] = torch.zeros_like(self.leaves[i]) if g is None else g
         return optree.tree_unflatten(self.treedef, out)
 
 
@@ -76,13 +97,34 @@ class Pullback:
     (``mode="split"``); each returns cotangents of the differentiated leaves, in order."""
 
     def __init__(
-        self, full: Any = None, of_p: Any = None, split: SplitBackward | None = None
+        self,
+        full: Any = None,
+        of_p: Any = None,
+        split: SplitBackward | None = None,
+        graph: tuple[list[Any], list[torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> None:
         self._full = full
         self._of_p = of_p
         self._split = split
+        self._graph = graph
 
-    def both(self, ct: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    def _autograd(self, ct: tuple[torch.Tensor, ...], weights: bool) -> tuple[Any, ...]:
+        """The backward of an autograd graph: the parameters' cotangents added into their
+        leaves' ``.grad``, the input's returned."""
+        assert self._graph is not None
+        roots, leaves, xs = self._graph
+        self._graph = None
+        pairs = [(y, c) for y, c in zip(roots, ct, strict=True) if y is not None]
+        wrt = [*leaves, *xs] if weights else xs
+        if pairs and wrt:
+            torch.autograd.backward([y for y, _ in pairs], [c for _, c in pairs], inputs=wrt)
+        return tuple(torch.zeros_like(x) if x.grad is None else x.grad for x in xs)
+
+    def both(self, ct: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...] | None, tuple[Any, ...]]:
+        """The parameters' cotangents (``None``: added into the autograd leaves) and the
+        input's."""
+        if self._graph is not None:
+            return None, self._autograd(ct, weights=True)
         if self._full is None:  # a split call: both halves
             gx = self.inputs(ct)
             return self.weights(ct), gx
@@ -97,7 +139,10 @@ class Pullback:
             return ()
         return self._split.inputs(ct)
 
-    def weights(self, ct: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    def weights(self, ct: tuple[torch.Tensor, ...]) -> tuple[Any, ...] | None:
+        if self._graph is not None:
+            self._autograd(ct, weights=True)
+            return None
         if self._split is not None:
             grads = self._split.weights()
             self._split = None
@@ -105,6 +150,15 @@ class Pullback:
         (gp,) = self._of_p(ct, retain_graph=False)
         self._of_p = None
         return tuple(gp)
+
+
+def _roots(outputs: Sequence[torch.Tensor]) -> list[Any]:
+    """Where each output's backward starts, without keeping the output itself alive (its
+    gradient edge; ``None`` where it does not require a gradient)."""
+    return [
+        None if not y.requires_grad else y if y.grad_fn is None else get_gradient_edge(y)
+        for y in outputs
+    ]
 
 
 def _vjp(fn: Callable[..., tuple[Any, Any]], *primals: Any) -> tuple[Any, Any, Any]:
@@ -159,11 +213,17 @@ def run_stage(
     xf = tuple(x_leaves[i] for i in x_wrt)
     if mode == "none":
         return result(*call(pf, xf)), None
-    if mode == "full":
+    if mode == "vjp" or (mode != "none" and compat.transforms_active()):
         floats, full, aux = _vjp(call, pf, xf)
         return result(floats, aux), Pullback(full=full)
-    if not x_wrt:  # split, but nothing to send upstream: the weights' pullback alone
-        floats, pull_p, aux = _vjp(lambda p: call(p, ()), pf)
-        return result(floats, aux), Pullback(of_p=pull_p)
+    if mode == "full" or not x_wrt:  # zero bubble's first stage: the weights' backward alone
+        leaves = params.autograd_leaves()
+        with torch.enable_grad():
+            xs = [t.detach().requires_grad_() for t in xf]
+            floats, aux = call(leaves, xs)
+        detached = tuple(y.detach() for y in floats)
+        return result(detached, tuple(a.detach() for a in aux)), Pullback(
+            graph=(_roots(floats), leaves, xs)
+        )
     floats, aux, split = run_split(call, pf, xf)  # one autograd graph, cut at the weights
     return result(floats, tuple(a.detach() for a in aux)), Pullback(split=split)

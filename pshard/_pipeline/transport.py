@@ -147,11 +147,12 @@ def _envelope(msg: Message, device: torch.device) -> torch.Tensor:
 
 
 class Outbox:
-    """This rank's sends, in the schedule's order; kept until they complete."""
+    """This rank's sends, in the schedule's order; each kept (and its tensor alive) until
+    :meth:`settle` waits for it."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._pending: list[tuple[Any, torch.Tensor, int]] = []  # work, tensor, due tick
 
     def send(
         self,
@@ -174,16 +175,24 @@ class Outbox:
         for t in tensors or ():
             out.append(t.to(link.device).contiguous())
         for t in out:
-            self._pending.append((link.isend(t, msg.dst), t))
-        self.reap()
+            self._pending.append((link.isend(t, msg.dst), t, msg.due))
 
-    def reap(self) -> None:
-        """Drop the sends that completed (their tensors may be freed)."""
-        if self._pending:
-            self._pending = [p for p in self._pending if not p[0].is_completed()]
+    def settle(self, tick: int) -> None:
+        """Wait for the sends whose receiver's action starts before ``tick`` (it gets there
+        without anything this rank sends later, so the wait ends) and let their tensors go:
+        a rank holds its sent activations only as long as the schedule needs them (gloo's
+        send work does not say when it completed before it is waited for)."""
+        if any(due < tick for _, _, due in self._pending):
+            keep = []
+            for work, t, due in self._pending:
+                if due < tick:
+                    work.wait()
+                else:
+                    keep.append((work, t, due))
+            self._pending = keep
 
     def wait(self) -> None:
-        for work, _ in self._pending:
+        for work, _, _ in self._pending:
             work.wait()
         self._pending = []
 
