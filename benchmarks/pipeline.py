@@ -20,10 +20,11 @@ Measured, per schedule:
   their steps alternating (the order swapped each pair), so that both see the same load; the
   ratio is the median over the pairs of pshard / torch;
 - ``idle``: the share of the step a rank spends with nothing to compute, ``1 - compute /
-  step``, where ``compute`` is the rank's forwards and backwards of all microbatches timed on
-  their own (no communication) in the same process: the measured bubble, averaged over the
-  ranks; for pshard also the time its ranks wait for messages, from its trace
-  (``pshard._pipeline.executor.record``);
+  step``, where ``compute`` is the time the rank spent in its stages' forwards and backwards
+  during that step (pshard: its trace, ``pshard._pipeline.executor.record``; torch: its
+  ``PipelineStage``'s ``forward_one_chunk``, ``backward_one_chunk`` and
+  ``backward_weight_one_chunk`` timed): the measured bubble, averaged over the ranks, median
+  over the steps;
 - ``theory``: the schedule's bubble, ``(N - 1) / (M + N - 1)`` for GPipe and 1F1B,
   ``(N - 1) / (v M + N - 1)`` interleaved, zero bubble's from its timeline
   (``ps.pipeline_schedule(...).bubble_fraction()``, a backward costing two forwards);
@@ -101,6 +102,21 @@ def _torch_step(args, schedule, mods):
     stages = [
         pp.PipelineStage(m, k * n + rank, v * n, torch.device("cpu")) for k, m in enumerate(mods)
     ]
+    spent = [0.0]  # compute time inside the stages, read by the caller
+
+    def timed(method):
+        def run(*a, **k):
+            start = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        return run
+
+    for st in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(st, name, timed(getattr(st, name)))
     cls = getattr(pp, TORCH_SCHEDULES[schedule])
     if v > 1:
         sched = cls(stages, args.microbatches, loss_fn=_loss, scale_grads=False)
@@ -111,6 +127,7 @@ def _torch_step(args, schedule, mods):
     def step():
         for m in mods:
             m.zero_grad(set_to_none=True)
+        spent[0] = 0.0
         losses = []
         if rank == 0:
             sched.step(x, target=t if n == 1 else None, losses=losses)
@@ -118,7 +135,7 @@ def _torch_step(args, schedule, mods):
             sched.step(target=t, losses=losses)
         else:
             sched.step()
-        return [p.grad for m in mods for p in m.parameters()]
+        return spent[0]
 
     return step
 
@@ -127,6 +144,7 @@ def _pshard_step(args, schedule, mods):
     import torch
 
     import pshard as ps
+    from pshard._pipeline.executor import record
 
     v = len(mods)
     base = mods[0]
@@ -141,33 +159,21 @@ def _pshard_step(args, schedule, mods):
     )
     x, t = _data(args)
     p = tuple(params) if schedule == "interleaved_1f1b" else params[0]
-    return lambda: fn(p, x, t)
 
+    def step():
+        with record() as events:
+            fn(p, x, t)
+        return sum(e.end - e.start for e in events if e.what == "compute")
 
-def _compute_time(args, mods):
-    """This rank's forwards and backwards of every microbatch, without communication."""
-    import torch
-
-    x, _ = _data(args)
-    chunks = x.chunk(args.microbatches)
-    start = time.perf_counter()
-    for m in mods:
-        for c in chunks:
-            out = m(c.requires_grad_())
-            out.backward(torch.ones_like(out))
-    for m in mods:
-        m.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return step
 
 
 def _timed(args, schedule):
-    """One rank: paired steps of torch and pshard; their times, the compute time, and
-    pshard's waits."""
+    """One rank: paired steps of torch and pshard, each step's time and compute time."""
     import torch
     import torch.distributed as dist
 
     import pshard as ps
-    from pshard._pipeline.executor import record
 
     torch.set_num_threads(1)
     ps.init_mesh({"pp": args.nprocs})
@@ -176,22 +182,17 @@ def _timed(args, schedule):
     sides = {"pshard": _pshard_step(args, schedule, mods)}
     if schedule in TORCH_SCHEDULES:
         sides["torch"] = _torch_step(args, schedule, mods)
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    waits = []
-    for name, step in sides.items():  # warm-up
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+    for step in sides.values():  # warm-up
         step()
-    compute = min(_compute_time(args, mods) for _ in range(2))
     for i in range(args.steps):
         order = list(sides) if i % 2 == 0 else list(reversed(sides))
         for name in order:
             dist.barrier()
-            with record() as events:
-                start = time.perf_counter()
-                sides[name]()
-                times[name].append(time.perf_counter() - start)
-            if name == "pshard":
-                waits.append(sum(e.end - e.start for e in events if e.what == "wait"))
-    return times, compute, waits
+            start = time.perf_counter()
+            compute = sides[name]()
+            times[name].append((time.perf_counter() - start, compute))
+    return times
 
 
 def _peak(args, side, schedule):
@@ -233,8 +234,8 @@ def main() -> None:
     n, m = args.nprocs, args.microbatches
     print(f"{n} ranks, width {args.width}, {args.layers} layers per stage, {args.rows} rows in "
           f"{m} microbatches, float32, gloo on CPU, one thread per rank")  # fmt: skip
-    head = (f"{'schedule':<18}{'side':<8}{'step ms':>9}{'ratio':>7}{'idle':>7}{'waits':>7}"
-            f"{'theory':>8}{'peak MiB':>10}")  # fmt: skip
+    head = (f"{'schedule':<18}{'side':<8}{'step ms':>9}{'ratio':>7}{'idle':>7}{'theory':>8}"
+            f"{'peak MiB':>10}")  # fmt: skip
     print(head)
     for schedule in args.schedules:
         v = args.virtual if schedule == "interleaved_1f1b" else 1
@@ -245,19 +246,24 @@ def main() -> None:
         if not args.no_memory:
             for side in ("pshard", "torch") if schedule in TORCH_SCHEDULES else ("pshard",):
                 peaks[side] = max(ps.spawn(_peak, args, side, schedule, nprocs=n, timeout=1800))
-        sides = list(ranks[0][0])
-        step = {s: [max(r[0][s][i] for r in ranks) for i in range(args.steps)] for s in sides}
-        compute = [r[1] for r in ranks]
-        waits = [statistics.median(r[2]) for r in ranks]
+        sides = list(ranks[0])
+        # per step: the slowest rank's time; the idle share averaged over the ranks
+        step = {s: [max(r[s][i][0] for r in ranks) for i in range(args.steps)] for s in sides}
+        idle = {
+            s: statistics.median(
+                statistics.mean(1 - r[s][i][1] / r[s][i][0] for r in ranks)
+                for i in range(args.steps)
+            )
+            for s in sides
+        }
         for side in sides:
             med = statistics.median(step[side])
-            idle = statistics.mean(1 - c / med for c in compute)
             ratio = ""
             if side == "pshard" and "torch" in step:
-                ratio = f"{statistics.median(a / b for a, b in zip(step['pshard'], step['torch'], strict=True)):.2f}"  # noqa: E501
-            wait = f"{statistics.mean(w / med for w in waits):.0%}" if side == "pshard" else ""
+                pairs = zip(step["pshard"], step["torch"], strict=True)
+                ratio = f"{statistics.median(a / b for a, b in pairs):.2f}"
             peak = f"{peaks[side]:.0f}" if side in peaks else ""
-            print(f"{schedule:<18}{side:<8}{med * 1e3:>9.1f}{ratio:>7}{idle:>7.0%}{wait:>7}"
+            print(f"{schedule:<18}{side:<8}{med * 1e3:>9.1f}{ratio:>7}{idle[side]:>7.0%}"
                   f"{theory:>8.0%}{peak:>10}")  # fmt: skip
 
 

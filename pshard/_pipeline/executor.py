@@ -1,12 +1,13 @@
 """Run one rank's part of a pipeline schedule (:mod:`pshard._pipeline.schedule`).
 
 The rank walks its plan (:func:`~pshard._pipeline.schedule.rank_plan`) in order. A forward
-runs its stage under ``torch.func.vjp`` (:mod:`pshard._pipeline.stage_call`) on the
-microbatch, or on the activation received from the stage before, and sends its output on; a
-backward pulls the cotangent received from the stage after (or the loss's, 1) back through
-its pullback, adds the parameters' cotangent to the gradient and sends the input's upstream.
-Each pullback is dropped as soon as its backward ran, so a rank holds only the microbatches
-its schedule keeps alive. Receives are posted a few actions ahead (:class:`Inbox`).
+runs its stage (:mod:`pshard._pipeline.stage_call`) on the microbatch, or on the activation
+received from the stage before, and sends its output on; a backward pulls the cotangent
+received from the stage after (or the loss's, 1) back through its pullback, adds the
+parameters' cotangent to the gradient and sends the input's upstream. Each pullback is
+dropped as soon as its backward ran, and each sent tensor once its receiver has reached it
+(:meth:`Outbox.settle`), so a rank holds only the microbatches its schedule keeps alive.
+Receives are posted an action ahead (:class:`Inbox`).
 
 Failures do not strand the other ranks. A rank whose stage raises, or returns a dtype or a
 shape beyond the split dim that differs from its first microbatch's, records the failure

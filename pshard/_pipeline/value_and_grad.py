@@ -2,10 +2,10 @@
 
 The model is cut into stages along a mesh axis, rank ``r`` running stage ``r`` (and ``r +
 N``, ... under ``"interleaved_1f1b"``). The batch is cut into microbatches that flow through
-the stages as the schedule says (:mod:`pshard._pipeline.schedule`), each stage's forward
-under ``torch.func.vjp`` (under zero bubble, autograd with the backward cut in two:
-:mod:`pshard._pipeline.split_backward`) and each backward through its pullback
-(:mod:`pshard._pipeline.executor`).
+the stages as the schedule says (:mod:`pshard._pipeline.schedule`), each stage differentiated
+as ``torch.func.vjp`` would (:mod:`pshard._pipeline.stage_call`; under zero bubble the
+backward cut in two: :mod:`pshard._pipeline.split_backward`), each backward run as soon as
+the schedule says (:mod:`pshard._pipeline.executor`).
 """
 
 from __future__ import annotations
