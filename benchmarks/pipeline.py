@@ -18,16 +18,18 @@ Measured, per schedule:
 - ``step``: one step's time on every rank (the slowest rank's), median over ``--steps``
   paired steps after one warm-up step each: torch and pshard built in the same processes,
   their steps alternating (the order swapped each pair), so that both see the same load; the
-  ratio is the median over the pairs of pshard / torch;
-- ``idle``: the share of the step a rank spends with nothing to compute, ``1 - compute /
-  step``, where ``compute`` is the time the rank spent in its stages' forwards and backwards
-  during that step (pshard: its trace, ``pshard._pipeline.executor.record``; torch: its
-  ``PipelineStage``'s ``forward_one_chunk``, ``backward_one_chunk`` and
-  ``backward_weight_one_chunk`` timed): the measured bubble, averaged over the ranks, median
-  over the steps;
-- ``theory``: the schedule's bubble, ``(N - 1) / (M + N - 1)`` for GPipe and 1F1B,
-  ``(N - 1) / (v M + N - 1)`` interleaved, zero bubble's from its timeline
-  (``ps.pipeline_schedule(...).bubble_fraction()``, a backward costing two forwards);
+  ratio is the median over the pairs of pshard / torch (for ``"zero_bubble"``: against
+  pshard's own ``"1f1b"``, paired the same way, row ``1f1b``);
+- ``idle``: the measured bubble, the share of the step the busiest rank spends with nothing
+  to compute, ``1 - compute / step``, where ``compute`` is the time a rank spent in its
+  stages' forwards and backwards during that step (pshard: its trace,
+  ``pshard._pipeline.executor.record``; torch: its ``PipelineStage``'s ``forward_one_chunk``,
+  ``backward_one_chunk`` and ``backward_weight_one_chunk`` timed), the largest over the
+  ranks, against the slowest rank's step; median over the steps;
+- ``theory``: the schedule's bubble by the same measure on its timeline (a backward costing
+  two forwards; ``ps.pipeline_schedule(...).bubble_fraction()``): ``(N - 1) / (M + N - 1)``
+  for GPipe and 1F1B, ``(N - 1) / (v M + N - 1)`` interleaved, ``(N - 1) / (3 M + N - 1)``
+  zero bubble;
 - ``peak``: per-rank resident high-water mark (``ru_maxrss``) over a few steps, minus the
   resident size before the stages were built, the largest over the ranks, each side in fresh
   processes of its own (``MALLOC_MMAP_THRESHOLD_=131072``: freed blocks go back to the
@@ -36,7 +38,7 @@ Measured, per schedule:
 Targets (issue 38): pshard's step at most 1.0x torch's for the same schedule; zero bubble's
 idle time measurably below 1F1B's; pshard's 1F1B peak at most torch's.
 
-    python benchmarks/pipeline.py [--width 1024] [--layers 2] [--rows 2048] [--microbatches 8]
+    python benchmarks/pipeline.py [--width 1024] [--layers 2] [--rows 2048] [--microbatches 4]
         [--nprocs 2] [--steps 5] [--schedules gpipe 1f1b interleaved_1f1b zero_bubble]
 """
 
@@ -182,6 +184,8 @@ def _timed(args, schedule):
     sides = {"pshard": _pshard_step(args, schedule, mods)}
     if schedule in TORCH_SCHEDULES:
         sides["torch"] = _torch_step(args, schedule, mods)
+    else:  # zero bubble: against pshard's own 1F1B, in the same processes
+        sides["1f1b"] = _pshard_step(args, "1f1b", mods)
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
     for step in sides.values():  # warm-up
         step()
@@ -219,7 +223,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rows", type=int, default=2048)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--virtual", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -247,20 +251,20 @@ def main() -> None:
             for side in ("pshard", "torch") if schedule in TORCH_SCHEDULES else ("pshard",):
                 peaks[side] = max(ps.spawn(_peak, args, side, schedule, nprocs=n, timeout=1800))
         sides = list(ranks[0])
-        # per step: the slowest rank's time; the idle share averaged over the ranks
+        # per step: the slowest rank's time, and the busiest rank's idle share of it
         step = {s: [max(r[s][i][0] for r in ranks) for i in range(args.steps)] for s in sides}
         idle = {
             s: statistics.median(
-                statistics.mean(1 - r[s][i][1] / r[s][i][0] for r in ranks)
-                for i in range(args.steps)
+                1 - max(r[s][i][1] for r in ranks) / step[s][i] for i in range(args.steps)
             )
             for s in sides
         }
         for side in sides:
             med = statistics.median(step[side])
             ratio = ""
-            if side == "pshard" and "torch" in step:
-                pairs = zip(step["pshard"], step["torch"], strict=True)
+            other = next((o for o in ("torch", "1f1b") if o in step), None)
+            if side == "pshard" and other is not None:
+                pairs = zip(step["pshard"], step[other], strict=True)
                 ratio = f"{statistics.median(a / b for a, b in pairs):.2f}"
             peak = f"{peaks[side]:.0f}" if side in peaks else ""
             print(f"{schedule:<18}{side:<8}{med * 1e3:>9.1f}{ratio:>7}{idle[side]:>7.0%}"

@@ -161,6 +161,7 @@ def test_interleaved_bubble_is_the_theory_when_n_divides_m(n, m, v):
 def test_zero_bubble_idles_a_third_of_1f1b(n, m):
     zb, one = _schedule("zero_bubble", n, m, 1), _schedule("1f1b", n, m, 1)
     assert zb.num_ticks == 3 * m + n - 1  # ZB-H1's makespan, against 3 (m + n - 1)
+    assert zb.bubble_fraction() == pytest.approx((n - 1) / (3 * m + n - 1), abs=1e-12)
     for r in range(1, n):  # rank 0 has no input cotangent to compute: less work
         assert zb.idle_ticks(r) == n - 1 == one.idle_ticks(r) // 3
 

@@ -5,8 +5,10 @@ runs its stage (:mod:`pshard._pipeline.stage_call`) on the microbatch, or on the
 received from the stage before, and sends its output on; a backward pulls the cotangent
 received from the stage after (or the loss's, 1) back through its pullback, adds the
 parameters' cotangent to the gradient and sends the input's upstream. Each pullback is
-dropped as soon as its backward ran, and each sent tensor once its receiver has reached it
-(:meth:`Outbox.settle`), so a rank holds only the microbatches its schedule keeps alive.
+dropped as soon as its backward ran, and each sent tensor once its receiver is some ticks
+past the action that takes it (:meth:`Outbox.settle`; ``2 N`` ticks, so that a receiver
+running a little behind the timeline does not hold the sender up), so a rank holds only the
+microbatches its schedule keeps alive, and a few sent activations.
 Receives are posted an action ahead (:class:`Inbox`).
 
 Failures do not strand the other ranks. A rank whose stage raises, or returns a dtype or a
@@ -159,8 +161,9 @@ class Executor:
     def run(self, kinds: str = "FBIW") -> None:
         """Run this rank's actions whose kind is in ``kinds``, in the plan's order."""
         steps = [s for s in self.plan if s.action.kind in kinds]
+        slack = 2 * self.link.size  # ticks: a receiver running a little late is not waited for
         for i, step in enumerate(steps):
-            self.outbox.settle(step.tick)
+            self.outbox.settle(step.tick - slack)
             for ahead in steps[i : i + _LOOKAHEAD]:
                 for msg in ahead.recv:
                     if msg.src != self.link.rank:

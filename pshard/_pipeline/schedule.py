@@ -179,9 +179,13 @@ class PipelineSchedule:
         return sum(a is None for a in self.timeline[rank])
 
     def bubble_fraction(self) -> float:
-        """Idle ticks over all ticks, summed over the ranks."""
-        total = self.num_ranks * self.num_ticks
-        return sum(map(self.idle_ticks, range(self.num_ranks))) / total if total else 0.0
+        """The share of the step the busiest rank waits: ``1 - its work / the step``
+        (``(N - 1) / (M + N - 1)`` for 1F1B; a rank with less work, zero bubble's first with
+        no input cotangent to compute, waits more without making the step longer)."""
+        if not self.num_ticks:
+            return 0.0
+        busiest = min(map(self.idle_ticks, range(self.num_ranks)))
+        return busiest / self.num_ticks
 
     def peak_alive(self, rank: int) -> int:
         """The most microbatches whose activations ``rank`` holds at once, per stage summed:
