@@ -35,6 +35,10 @@ from ._microbatch.batch_dim import infer_out_specs as infer_out_specs
 from ._microbatch.merge import merge as merge
 from ._microbatch.pmap import pmap_microbatch as pmap_microbatch
 from ._microbatch.split import split as split
+from ._pipeline.forward import pipeline as pipeline
+from ._pipeline.schedule import PipelineSchedule as PipelineSchedule
+from ._pipeline.schedule import pipeline_schedule as pipeline_schedule
+from ._pipeline.value_and_grad import pipeline_value_and_grad as pipeline_value_and_grad
 from ._remat.checkpoint import CheckpointModule as CheckpointModule
 from ._remat.checkpoint import checkpoint as checkpoint
 from ._remat.checkpoint import remat as remat
@@ -129,6 +133,10 @@ __all__ = [
     "Partial",
     "Placement",
     "pmap_microbatch",
+    "pipeline",
+    "pipeline_schedule",
+    "pipeline_value_and_grad",
+    "PipelineSchedule",
     "pmax",
     "pmean",
     "pmin",

@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "pshard.optim",
         "pshard.tensor_parallel",
     ),
+    ("pshard._pipeline",),
     ("pshard.integrations",),
     ("pshard",),
 )

@@ -1,0 +1,215 @@
+"""pipeline_value_and_grad composed with the rest of pshard, each against one process at
+float64: inside a map over a data axis (dp x pp), ps.checkpoint in a stage, ps.sharded_call in
+a stage (FSDP within a stage), and parameters stacked along P("pp") inside a map over pp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pshard as ps
+
+f64 = torch.float64
+P = ps.P
+D = 5
+
+
+def layer(p, x):
+    return torch.tanh(x @ p["w"] + p["b"])
+
+
+def mlp(params, x):
+    for p in params:
+        x = layer(p, x)
+    return x
+
+
+def sq_loss(y, t):
+    return ((y - t) ** 2).sum()
+
+
+def _layers(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"w": torch.randn(D, D, generator=g, dtype=f64) / D**0.5,
+         "b": torch.randn(D, generator=g, dtype=f64) * 0.1}
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def _data(b):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(b, D, generator=g, dtype=f64), torch.randn(b, D, generator=g, dtype=f64)
+
+
+def _reference_grads(layers, x, t):
+    leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in layers]
+    loss = sq_loss(mlp(leaves, x), t)
+    loss.backward()
+    return loss.item(), [{k: v.grad for k, v in p.items()} for p in leaves]
+
+
+def _diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def rank_dp_pp(dp, pp, schedule):
+    """Each "dp" rank runs its own pipeline over "pp" on its rows; losses and gradients are
+    summed over "dp"."""
+    torch.set_default_dtype(f64)
+    ps.init_mesh({"dp": dp, "pp": pp})
+    r = ps.axis_index("pp")
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    layers = _layers(2 * pp * v)
+    mine = [list(range(2 * (k * pp + r), 2 * (k * pp + r) + 2)) for k in range(v)]
+    x, t = _data(4 * dp + 1)  # uneven over "dp" too
+    stages = [mlp] * (v * pp) if v > 1 else mlp
+    step = ps.pipeline_value_and_grad(stages, sq_loss, num_microbatches=2, schedule=schedule)
+
+    def body(params, x, t):
+        loss, grads = step(params, x, t)
+        return ps.psum(loss, "dp"), ps.psum(grads, "dp")
+
+    mapped = ps.shard_map(
+        body, in_specs=(None, P("dp"), P("dp")), out_specs=(P(), P()), axis_names="dp"
+    )
+    params = [[layers[i] for i in ids] for ids in mine]
+    loss, grads = mapped(tuple(params) if v > 1 else params[0], x, t)
+    ref_loss, ref = _reference_grads(layers, x, t)
+    trees = grads if v > 1 else (grads,)
+    diff = max(
+        _diff(g, ref[i]) for tree, ids in zip(trees, mine, strict=True)
+        for g, i in zip(tree, ids, strict=True)
+    )  # fmt: skip
+    return abs(loss.item() - ref_loss), diff
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_inside_a_map_over_a_data_axis(pool, schedule):
+    for loss_diff, grad_diff in pool.run(4, rank_dp_pp, 2, 2, schedule):
+        assert loss_diff < 1e-12 and grad_diff < 1e-12
+
+
+def test_dp_x_pp_on_8_ranks(pool):
+    if not getattr(pool, "threads", False):
+        pytest.skip("8 ranks run on the in-process (threads) pool")
+    for loss_diff, grad_diff in pool.run(8, rank_dp_pp, 2, 4, "interleaved_1f1b"):
+        assert loss_diff < 1e-12 and grad_diff < 1e-12
+
+
+def rank_checkpoint(schedule):
+    torch.set_default_dtype(f64)
+    ps.init_mesh({"pp": 4})
+    r = ps.axis_index("pp")
+    layers = _layers(8)
+    x, t = _data(6)
+    counted = []
+
+    def stage(params, h):
+        counted.append(1)
+        return mlp(params, h)
+
+    step = ps.pipeline_value_and_grad(
+        ps.checkpoint(stage), sq_loss, num_microbatches=3, schedule=schedule
+    )
+    loss, grads = step(layers[2 * r : 2 * r + 2], x, t)
+    ref_loss, ref = _reference_grads(layers, x, t)
+    diff = max(_diff(g, ref[2 * r + i]) for i, g in enumerate(grads))
+    return abs(loss.item() - ref_loss), diff, len(counted)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_checkpoint_in_a_stage(pool, schedule):
+    for loss_diff, grad_diff, calls in pool.run(4, rank_checkpoint, schedule):
+        assert loss_diff < 1e-12 and grad_diff < 1e-12
+        assert calls > 3  # the stage ran again in the backward: its activations were recomputed
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Stage(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, x):
+        for lay in self.layers:
+            x = lay(x)
+        return x
+
+
+def rank_sharded_call():
+    """FSDP within each stage: a map over "dp" hands each stage its parameters' blocks (and
+    its rows), ps.sharded_call gathers each layer's weights as it runs."""
+    torch.set_default_dtype(f64)
+    ps.init_mesh({"dp": 2, "pp": 2})
+    r = ps.axis_index("pp")
+    layers = _layers(4)
+    x, t = _data(8)
+    whole = {f"layers.{i}.lin.{k}": layers[2 * r + i][k].T.contiguous() if k == "w" else
+             layers[2 * r + i][k] for i in range(2) for k in ("w", "b")}  # fmt: skip
+    whole = {k.replace(".w", ".weight").replace(".b", ".bias"): v for k, v in whole.items()}
+    meta = Stage().to(f64).to("meta")
+
+    def stage(blocks, h):
+        return ps.sharded_call(meta, blocks, (h,), specs=P("dp"))
+
+    step = ps.pipeline_value_and_grad(stage, sq_loss, num_microbatches=2)
+
+    def body(blocks, x, t):
+        loss, grads = step(blocks, x, t)
+        return ps.psum(loss, "dp"), grads
+
+    mapped = ps.shard_map(
+        body, in_specs=(P("dp"), P("dp"), P("dp")), out_specs=(P(), P("dp")), axis_names="dp"
+    )
+    loss, grads = mapped(whole, x, t)
+    ref_loss, ref = _reference_grads(layers, x, t)
+    diff = 0.0
+    for i in range(2):
+        want = ref[2 * r + i]
+        diff = max(
+            diff,
+            (grads[f"layers.{i}.lin.weight"] - want["w"].T).abs().max().item(),
+            (grads[f"layers.{i}.lin.bias"] - want["b"]).abs().max().item(),
+        )
+    return abs(loss.item() - ref_loss), diff
+
+
+def test_sharded_call_in_a_stage(pool):
+    for loss_diff, grad_diff in pool.run(4, rank_sharded_call):
+        assert loss_diff < 1e-12 and grad_diff < 1e-12
+
+
+def rank_stacked():
+    """Blocks of parameters stacked along P("pp") inside a map over "pp": each stage gets
+    its block of layers, its gradient is a block; the map gathers them."""
+    torch.set_default_dtype(f64)
+    ps.init_mesh({"pp": 4})
+    layers = _layers(8)
+    stacked = {k: torch.stack([p[k] for p in layers]) for k in ("w", "b")}  # (8, ...)
+    x, t = _data(7)
+
+    def stage(block, h):  # this rank's 2 layers
+        for i in range(block["w"].shape[0]):
+            h = layer({"w": block["w"][i], "b": block["b"][i]}, h)
+        return h
+
+    step = ps.pipeline_value_and_grad(stage, sq_loss, num_microbatches=3)
+    mapped = ps.shard_map(step, in_specs=(P("pp"), P(), P()), out_specs=(P(), P("pp")))
+    loss, grads = mapped(stacked, x, t)
+    ref_loss, ref = _reference_grads(layers, x, t)
+    want = {k: torch.stack([g[k] for g in ref]) for k in ("w", "b")}
+    return abs(loss.item() - ref_loss), _diff(grads, want)
+
+
+def test_stacked_blocks_inside_a_map_over_pp(pool):
+    for loss_diff, grad_diff in pool.run(4, rank_stacked):
+        assert loss_diff < 1e-12 and grad_diff < 1e-12
