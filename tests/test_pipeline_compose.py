@@ -90,9 +90,7 @@ def test_inside_a_map_over_a_data_axis(pool, schedule):
         assert loss_diff < 1e-12 and grad_diff < 1e-12
 
 
-def test_dp_x_pp_on_8_ranks(pool):
-    if not getattr(pool, "threads", False):
-        pytest.skip("8 ranks run on the in-process (threads) pool")
+def test_dp_x_pp_on_8_ranks(pool):  # 8 thread ranks
     for loss_diff, grad_diff in pool.run(8, rank_dp_pp, 2, 4, "interleaved_1f1b"):
         assert loss_diff < 1e-12 and grad_diff < 1e-12
 
