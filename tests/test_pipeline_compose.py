@@ -211,3 +211,59 @@ def rank_stacked():
 def test_stacked_blocks_inside_a_map_over_pp(pool):
     for loss_diff, grad_diff in pool.run(4, rank_stacked):
         assert loss_diff < 1e-12 and grad_diff < 1e-12
+
+
+class _Mlp(torch.nn.Module):
+    """A stage with a Megatron pair: up (colwise over "tp"), down (rowwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(D, 6)
+        self.down = torch.nn.Linear(6, D)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+_PLAN = {"up": "colwise", "down": "rowwise"}
+
+
+def rank_tensor_parallel(schedule):
+    """Tensor parallelism within each stage (pp x tp on 4 ranks): each stage's parameters are
+    GlobalTensors split over "tp" by the plan, and the stage is a map over "tp" computing
+    inside ps.tensor_parallel; the gradients come back as blocks of the same layout."""
+    torch.set_default_dtype(f64)
+    mesh = ps.init_mesh({"pp": 2, "tp": 2})
+    torch.manual_seed(0)
+    models = [_Mlp() for _ in range(2)]  # the same on every rank
+    mine = models[ps.axis_index("pp")]
+    specs = ps.tensor_parallel_specs(mine, _PLAN)
+    # each stage's own parameters: GlobalTensors of the stage's "tp" ranks (a mesh of that axis)
+    whole = {k: v.detach() for k, v in mine.named_parameters()}
+    params = ps.shard(whole, specs, mesh=mesh["tp"])
+    x, t = _data(5)
+
+    def body(blocks, h):
+        with ps.tensor_parallel(mine, _PLAN):
+            return torch.func.functional_call(mine, blocks, (h,))
+
+    stage = ps.shard_map(body, mesh=mesh["tp"], in_specs=(specs, P()), out_specs=P())
+    step = ps.pipeline_value_and_grad(stage, sq_loss, num_microbatches=3, schedule=schedule)
+    loss, grads = step(params, x, t)
+    leaves = [{k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+              for m in models]  # fmt: skip
+    h = x
+    for m, p in zip(models, leaves, strict=True):
+        h = torch.func.functional_call(m, p, (h,))
+    ref = sq_loss(h, t)
+    ref.backward()
+    want = {k: v.grad for k, v in leaves[ps.axis_index("pp")].items()}
+    assert all(isinstance(g, ps.GlobalTensor) and g.spec == params[k].spec
+               for k, g in grads.items())  # fmt: skip
+    return abs(loss.item() - ref.item()), _diff(ps.gather(grads), want)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_tensor_parallel_in_a_stage(pool, schedule):
+    for loss_diff, grad_diff in pool.run(4, rank_tensor_parallel, schedule):
+        assert loss_diff < 1e-12 and grad_diff < 1e-12
