@@ -170,6 +170,46 @@ def test_nests_both_ways_with_shard_map(procs) -> None:
             assert psums >= plain + 1, name  # the psum is issued again in the recompute
 
 
+# --- psum_scatter on gloo -----------------------------------------------------------------------
+
+
+def _scatter_block(x: torch.Tensor) -> torch.Tensor:
+    return ps.psum_scatter(x.sin(), "tp", dim=1).cos()
+
+
+def _scatter_worker(x: torch.Tensor) -> dict:
+    ps.init_mesh({"tp": 2})
+    out = {}
+    for name, f in {
+        "plain": _scatter_block,
+        "nothing": checkpoint(_scatter_block),
+        "save_collectives": checkpoint(_scatter_block, policy=cp.save_collectives),
+    }.items():
+        mapped = ps.shard_map(f, in_specs=ps.P(None, "tp"), out_specs=ps.P(None, "tp"))
+        with Count() as c:
+            g = grad(lambda x, mapped=mapped: (mapped(x) ** 2).sum())(x)
+        out[name] = (g, {k: n for k, n in c.ops.items() if k.startswith("c10d.")})
+    return out
+
+
+def test_checkpointed_psum_scatter_on_gloo(procs) -> None:
+    """gloo copies a reduce-scatter's result into its output in the Work's wait, after the
+    operator returned: the recompute took that copy for part of the function (a copy of a
+    tensor from outside, another one each run: refused as another path) and, where the policy
+    keeps collectives, issued the reduce-scatter again."""
+    torch.manual_seed(3)
+    x = torch.randn(4, 64, dtype=f64)  # each rank's 4 x 32 block: 128 elements reduced
+    # one process: the ranks' blocks summed, each rank's half of the sum its output block
+    want = grad(lambda x: (sum(x.sin().chunk(2, dim=1)).cos() ** 2).sum())(x)
+    for rank in procs.run(2, _scatter_worker, x):
+        plain = rank["plain"][1]
+        assert plain["c10d._reduce_scatter_base_"] == 1, plain
+        for name, (g, _) in rank.items():
+            assert _close(g, want), name
+        assert rank["nothing"][1] == {**plain, "c10d._reduce_scatter_base_": 2}
+        assert rank["save_collectives"][1] == plain  # kept: the recompute does not communicate
+
+
 # --- sequence parallelism -------------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""How ``ps.checkpoint``'s tape sees an operator: what kind it is and what it writes.
+"""How ``ps.checkpoint``'s tape sees an operator: what kind it is, what it writes, and how it
+runs (a collective finished when its operator returns: :func:`run`).
 
 Read off the operator's schema and tags (``torch._ops.OpOverload``): views, in-place writes,
 random draws, new tensors from shapes alone, collectives and point-to-point communication
@@ -17,6 +18,7 @@ import torch
 from pshard._core.caches import cached
 from pshard._core.tree import NAMESPACE
 
+from .. import _compat as compat
 from .policies import is_collective, is_p2p
 
 __all__ = [
@@ -29,7 +31,9 @@ __all__ = [
     "describe_call",
     "draw_arguments",
     "factory_value",
+    "is_work",
     "op_kind",
+    "run",
     "storage",
     "written",
 ]
@@ -180,6 +184,31 @@ def written(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.
             leaves: list[Any] = optree.tree_leaves(value, namespace=NAMESPACE)
             out.extend(x for x in leaves if isinstance(x, torch.Tensor))
     return out
+
+
+def is_work(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.distributed`` Work as an operator returns it (a TorchScript
+    object)."""
+    return "Work" in type(x).__name__ or "ScriptObject" in type(x).__name__
+
+
+def run(op: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op(*args, **kwargs)``, a collective finished when it returns: its Work is waited for
+    here, below the modes of the checkpoint that runs it, and returned finished. A backend may
+    finish a collective in its Work's wait, with operators of its own (gloo copies a
+    reduce-scatter's result into the output there): waited for later, those operators would
+    pass through the checkpoint's modes as the function's own, writing the collective's output
+    after it, from a buffer of the backend's."""
+    out = op(*args, **kwargs)
+    if kind != "collective" or type(out) is not tuple:
+        return out
+    works = [x for x in out if is_work(x)]
+    if not works:  # the in-process ranks' operators return nothing
+        return out
+    for work in works:
+        work.wait()
+    done = compat.completed_work(written(op, args, kwargs))
+    return tuple(done if is_work(x) else x for x in out)
 
 
 def storage(t: torch.Tensor) -> int | None:

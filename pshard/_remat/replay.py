@@ -27,6 +27,7 @@ from .ops import (
     call_kind,
     describe_call,
     draw_arguments,
+    run,
     storage,
     written,
 )
@@ -182,7 +183,7 @@ class Replayer(compat.TorchDispatchMode):
             out, fresh = self._replay(entry, writes, _stand_ins(entry))
             self.replayed += 1
         else:
-            out = func(*args, **kwargs)
+            out = run(func, kind, args, kwargs)
             fresh = fresh_outputs(out, writes)
         if j is None:
             if kind != "view" and func._opname not in BOOKKEEPING:

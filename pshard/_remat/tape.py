@@ -53,6 +53,8 @@ from .ops import (
     describe,
     draw_arguments,
     factory_value,
+    is_work,
+    run,
     storage,
     written,
 )
@@ -365,7 +367,7 @@ def _template(
             else:
                 tmpl.append(("t", len(fresh)))
                 fresh.append(leaf)
-        elif "Work" in type(leaf).__name__ or "ScriptObject" in type(leaf).__name__:
+        elif is_work(leaf):
             tmpl.append(("work", None))
         else:
             tmpl.append(("v", leaf))
@@ -462,7 +464,7 @@ class Recorder(compat.TorchDispatchMode):
         writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
         if writes:
             self._before_writing(func, writes)
-        out = func(*args, **kwargs)
+        out = run(func, kind, args, kwargs)
         j = len(tape.entries)
         fresh: list[torch.Tensor] = []
         entry = Entry(func, kind, *_template(out, fresh, writes))
