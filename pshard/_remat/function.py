@@ -2,7 +2,7 @@
 
 :class:`Call` is one call of a checkpointed function: how to rebuild its arguments from the
 flat tensors the ``Function`` receives, its forward (run once inside a ``torch.func`` level of
-its own, as the recompute runs, recorded by :class:`pshard._remat.tape.Recorder`), its recompute
+its own, as the recompute runs, recorded by :class:`pshard._remat.record.Recorder`), its recompute
 (under :class:`pshard._remat.tape.Replayer`, in a copy of the forward's ``contextvars`` context
 and under its autocast state, :mod:`pshard._remat.modes`), and the rules of :class:`_Checkpoint`:
 ``backward`` through the recompute at a ``torch.func`` grad level (``torch.func.vjp``'s steps),
@@ -34,8 +34,9 @@ from . import modes
 from .lift import Lifted
 from .names import NAMER
 from .policies import Policy
+from .record import Recorder
 from .replay import Replayer
-from .tape import Recorder, Tape, flat_call
+from .tape import Tape, flat_call
 
 __all__ = ["Call", "flatten"]
 

@@ -1,6 +1,7 @@
 """The forward of a checkpoint, recorded below autograd and ``torch.func``.
 
-While the checkpointed function runs its forward, :class:`Recorder` (a ``TorchDispatchMode``,
+While the checkpointed function runs its forward, the recorder (:mod:`pshard._remat.record`,
+a ``TorchDispatchMode``,
 so it sees the operators that really run, under every transform) writes one :class:`Entry`
 per operator into a :class:`Tape`: the operator, where each tensor argument came from (an
 input of the checkpoint, the output of an earlier entry, a new tensor, a tensor from outside),
@@ -48,22 +49,15 @@ from pshard._core.tree import NAMESPACE
 
 from .. import _compat as compat
 from .ops import (
-    KEEPABLE,
-    call_kind,
     describe,
-    draw_arguments,
     factory_value,
     is_work,
-    run,
-    storage,
-    written,
 )
 from .policies import Policy
-from .rng import RngStates, before_draw
+from .rng import RngStates
 
 __all__ = [
     "Entry",
-    "Recorder",
     "Sources",
     "Tape",
     "arg_paths",
@@ -73,6 +67,8 @@ __all__ = [
     "is_outside",
     "key_of",
     "new_source",
+    "outside_source",
+    "output_template",
     "rebuild",
     "run_factory",
     "traced",
@@ -217,7 +213,7 @@ class Sources:
         return hit[1] if hit is not None and hit[0]() is t else None
 
 
-def _outside(t: torch.Tensor) -> Hashable:
+def outside_source(t: torch.Tensor) -> Hashable:
     """The source of a tensor from outside the function: a small constant by its value
     (``torch.tensor([...])`` makes a new one each run), anything else by identity and
     version (kept alive by the tape, so its ``id`` stays its own). Forward-mode AD's efficient
@@ -252,7 +248,7 @@ def new_source(t: torch.Tensor, value: Hashable) -> Hashable:
 
 
 _SEQUENCES = (list, tuple)
-ONE = "one tensor"  # the structure of an operator's output that is a tensor (see _template)
+ONE = "one tensor"  # the structure of an operator's output that is a tensor (see output_template)
 
 
 def flat_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Hashable]:
@@ -340,7 +336,7 @@ def key_of(
             if not (x.is_floating_point() or x.is_complex()):
                 parts.append(("int", x.shape, x.dtype))  # known by its place, see the docs
                 continue
-            parts.append((_outside(x) if src is None else src, x.shape, x.dtype))
+            parts.append((outside_source(x) if src is None else src, x.shape, x.dtype))
         elif x is None or isinstance(x, (*_SIMPLE, _MEMORY_FORMAT)):
             parts.append(x)
         else:
@@ -348,7 +344,7 @@ def key_of(
     return (op, spec, tuple(parts), extra), tensors, srcs
 
 
-def _template(
+def output_template(
     out: Any, fresh: list[torch.Tensor], writes: list[torch.Tensor]
 ) -> tuple[Any, list[tuple[str, Any]]]:
     """How to rebuild ``out`` from kept tensors: its tree structure and, per leaf, ``("t", k)``
@@ -385,7 +381,7 @@ def run_factory(sources: Sources, func: Any, args: tuple[Any, ...], kwargs: Any)
 
 
 def rebuild(spec: Any, leaves: list[Any]) -> Any:
-    """An operator's output from the structure :func:`_template` noted and its leaves."""
+    """An operator's output from the structure :func:`output_template` noted and its leaves."""
     return leaves[0] if spec is ONE else optree.tree_unflatten(spec, leaves)
 
 
@@ -413,212 +409,3 @@ def bind_outputs(
         sources.bind(t, ("o", j, k))
     for m, t in enumerate(writes):
         sources.bind(t, ("o", j, "w", m))
-
-
-# --- the forward ----------------------------------------------------------------------------------
-
-
-class Recorder(compat.TorchDispatchMode):
-    """Record the forward into ``tape`` (see the module docs); ``inputs`` are the checkpoint's
-    inputs as the function receives them.
-
-    Raises (from inside the operator that does it) when the function reads a tensor that
-    requires grad without taking it as an argument (its gradient would be lost), or writes in
-    place to an input that requires grad. ``name(x, name)`` is the namer of
-    :func:`pshard.checkpoint_name` for this forward.
-    """
-
-    def __init__(
-        self, tape: Tape, inputs: Sequence[torch.Tensor], needs: Sequence[bool] | None = None
-    ) -> None:
-        super().__init__()
-        self.tape = tape
-        self._sources = Sources(inputs)
-        self._inputs = list(inputs)
-        self._needs = [t.requires_grad for t in inputs] if needs is None else list(needs)
-        self._input_storage = {storage(t): i for i, t in enumerate(inputs)}
-        self._input_storage.pop(None, None)
-        self._writer: dict[int, int] = {}  # storage -> entry that last wrote it
-        self._outside: dict[int, int] = {}  # id -> index in tape.outside (held there)
-        self._random = 0
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        leaves, spec = flat_call(args, kwargs)
-        if traced(leaves):
-            return func(*args, **kwargs)
-        tape = self.tape
-        kind = call_kind(func, args, kwargs)
-        if kind == "factory":
-            return run_factory(self._sources, func, args, kwargs)
-        key, tensors, srcs = key_of(func, leaves, spec, self._sources, None)
-        content = key
-        if kind == "random":  # known by its place among the draws (functorch may draw otherwise)
-            tape.rng = before_draw(tape.rng, args, kwargs)
-            key = ("random", self._random)
-            self._random += 1
-        if None in srcs and torch.is_grad_enabled():
-            self._closure(func, [t for t, src in zip(tensors, srcs, strict=True) if src is None])
-        writes = written(func, args, kwargs) if kind not in ("compute", "view") else []
-        if writes:
-            self._before_writing(func, writes)
-        out = run(func, kind, args, kwargs)
-        j = len(tape.entries)
-        fresh: list[torch.Tensor] = []
-        entry = Entry(func, kind, *_template(out, fresh, writes))
-        entry.key = key
-        if kind == "random":
-            entry.draw, entry.draw_key = draw_arguments(func, args, kwargs), content
-        parts = key[2] if kind != "random" else content[2]  # type: ignore[index]
-        entry.floating = any(
-            isinstance(p, tuple) and len(p) == 3 and p[0] != "int" and isinstance(p[1], torch.Size)
-            for p in parts
-        ) or any(t.is_floating_point() or t.is_complex() for t in fresh)
-        entry.inputs = srcs
-        entry.fresh_meta = [(t.shape, t.dtype, t.device) for t in fresh]
-        tape.entries.append(entry)
-        tape.index.setdefault(key, []).append(j)
-        for p, (t, src) in enumerate(zip(tensors, srcs, strict=True)):
-            if src is not None and not is_outside(src):
-                continue
-            if not (t.is_floating_point() or t.is_complex()):
-                k = self._outside.setdefault(id(t), len(tape.outside))
-                if k == len(tape.outside):
-                    tape.outside.append(t)
-                entry.outside.append((p, k))
-            if src is None and self._sources.get(t) is None:  # (a tensor given twice)
-                src = _outside(t)
-                self._sources.bind(t, src)
-                if src[0] == "x":  # type: ignore[index]
-                    tape.externals.append(t)
-        bind_outputs(self._sources, j, kind, out, fresh, writes)
-        if kind == "view":
-            return out
-        for t in writes:
-            self._wrote(t, j)
-        for t in fresh:
-            st = storage(t)
-            if st is not None:
-                self._writer[st] = j
-        outs = fresh + writes
-        entry.n_fresh = len(fresh)
-        entry.refs = [weakref.ref(t) for t in outs]
-        entry.geometry = [(t.shape, t.stride(), t.storage_offset()) for t in outs]
-        if kind in KEEPABLE and tensors and self._ask(func, *args, **kwargs):
-            entry.saved, entry.held = True, outs
-        return out
-
-    def knows(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is an input of this forward or an output of one of its operations."""
-        return not is_outside(self._sources.get(t))
-
-    def _ask(self, op: Any, *args: Any, **kwargs: Any) -> bool:
-        if self.tape.error is not None:
-            return False
-        try:
-            return bool(self.tape.policy(op, *args, **kwargs))
-        except Exception as e:  # raised after the forward, see Tape.error
-            self.tape.error = e
-            return False
-
-    def _closure(self, func: Any, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            if t.requires_grad and self._sources.get(t) is None:
-                raise ValueError(
-                    f"ps.checkpoint: {self.tape.name} reads a tensor that requires grad "
-                    f"(shape {tuple(t.shape)}, {t.dtype}, used by {func}) without taking it as "
-                    f"an argument, so its gradient would be lost; pass it as an argument "
-                    f"(ps.checkpoint(f)(x, w) rather than a closure over w), or checkpoint the "
-                    f"module that holds it (ps.checkpoint(layer))"
-                )
-
-    def _before_writing(self, func: Any, writes: list[torch.Tensor]) -> None:
-        """An input the function writes in place: keep its value from before (a BatchNorm's
-        running statistics; the recompute starts from it), or refuse it if it needs a
-        gradient."""
-        for t in writes:
-            i = self._input_storage.get(storage(t))
-            if i is None or i in self.tape.written_inputs:
-                continue
-            if self._needs[i]:
-                raise ValueError(
-                    f"ps.checkpoint: {self.tape.name} writes its argument {i} in place (a "
-                    f"tensor of shape {tuple(self._inputs[i].shape)}, with {func}) and that "
-                    f"argument needs a gradient; a checkpointed function may write in place "
-                    f"only to tensors that need none (a BatchNorm's running statistics); "
-                    f"compute a new tensor instead (x = x * 2 rather than x.mul_(2))"
-                )
-            self.tape.written_inputs[i] = self._inputs[i].detach().clone()
-
-    def _wrote(self, t: torch.Tensor, j: int) -> None:
-        st = storage(t)
-        if st is None:
-            return
-        before = self._writer.get(st)
-        if before is not None and before != j:
-            self.tape.entries[before].unsave()  # its kept value would be stale
-        self._writer[st] = j
-
-    def name(self, x: torch.Tensor, name: str) -> None:
-        """``checkpoint_name(x, name)`` in this forward: the entry that wrote ``x``'s data is
-        kept if the policy says so (``policy(checkpoint_name, x, name=name)``), recomputed if
-        the policy vetoes the name."""
-        from .names import checkpoint_name
-
-        st = storage(compat.innermost(x))
-        j = None if st is None else self._writer.get(st)
-        if j is None:  # an input, a new tensor or a tensor from outside: nothing to recompute
-            return
-        entry = self.tape.entries[j]
-        if self.tape.policy.vetoes(name):
-            entry.unsave()
-        elif entry.kind in KEEPABLE and not entry.vetoed:
-            if self._ask(checkpoint_name, x, name=name):
-                entry.saved = True
-                if entry.held is None:
-                    entry.named = compat.innermost(x)
-
-    def finish(self, outputs: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]) -> None:
-        """End of the forward: note where the ``outputs`` came from (and what the checkpoint
-        ``returned`` for them), keep what is saved (on the CPU when the policy offloads) and
-        let go of everything else."""
-        tape = self.tape
-        tape.outputs = [self._sources.get(compat.innermost(t)) for t in outputs]
-        tape.outside_versions = [version_of(t) for t in tape.outside]
-        self._outside.clear()
-        for src, r in zip(tape.outputs, returned, strict=True):
-            if isinstance(src, tuple) and src[0] == "o" and isinstance(src[2], int):
-                entry = tape.entries[src[1]]
-                if entry.kind == "compute" and not entry.vetoed and not tape.vmapped:
-                    slots = tape.returned.setdefault(src[1], {})
-                    slots[src[2]] = (weakref.ref(r), r._version)
-        for j, entry in enumerate(tape.entries):
-            tape.made += [(ref, j) for ref in entry.refs[: entry.n_fresh]]
-            returned_here = tape.returned.get(j, {})
-            if returned_here and len(returned_here) == sum(t == "t" for t, _ in entry.template):
-                # the checkpoint's own outputs: the recompute takes them back while they live
-                # (the next layer's input, saved there anyway) and computes them again once
-                # they are gone; keeping them too would hold the last layer's output for nothing
-                entry.saved = False
-            kept = entry.outputs() if entry.saved else None
-            if kept is not None:
-                entry.devices = [t.device for t in kept]
-                entry.slot = len(tape.kept)
-                # detached: the forward's own graph (it ran with grad) must not stay alive
-                kept = [t.detach() for t in kept]
-                tape.kept += [_offload(t) for t in kept] if tape.policy.offload else kept
-            entry.saved = kept is not None
-            entry.refs, entry.held, entry.named = [], None, None
-        self._sources = Sources(())
-        self._writer.clear()
-        self._inputs, self._needs = [], []
-        self._input_storage.clear()
-
-
-def _offload(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    return host.copy_(t, non_blocking=True)
