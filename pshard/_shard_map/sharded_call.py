@@ -23,22 +23,27 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from .._collectives.functions import all_gather
-from .._core.global_tensor import GlobalTensor, is_global
-from .._core.layout_rules import index_runs
+from .. import _compat as compat
+from .._collectives.apply import call
+from .._collectives.cast_gather import BlockPlan, UnitPlan, block_levels, cast_gather
+from .._core.global_tensor import is_global
 from .._core.placements import P, Replicate, Shard
 from .._core.specs import broadcast_prefix_flat
-from .._core.tree import describe, tree_flatten
+from .._core.tree import describe, tree_flatten, tree_unflatten
 from .._remat.checkpoint import checkpoint
 from .._remat.names import checkpoint_name
 from .._remat.policies import save_anything_except_these_names
 from .._runtime.mesh import mesh_for
-from .global_ops import gather
+from .._runtime.wire import comm
+from .fsdp_policy import ShardedCallPolicy
+from .global_ops import block_plan
+from .unit_schedule import PreBackward, UnitSchedule, UnitSlot, gate
 
 __all__ = ["GATHER_NAME", "sharded_call"]
 
@@ -101,22 +106,6 @@ def _owner(name: str, prefixes: list[str]) -> str | None:
     return None
 
 
-class _Gatherer:
-    """Gathers one parameter: a GlobalTensor with :func:`pshard.gather`, a block of a map's
-    input with padded all-gathers over its spec's axes."""
-
-    def __init__(self, name: str, spec: Any, whole: tuple[int, ...]) -> None:
-        self.name = name
-        self.whole = whole
-        self.spec = spec
-
-    def __call__(self, value: Any) -> torch.Tensor:
-        if is_global(value):
-            out: torch.Tensor = gather(value)
-            return out
-        return _gather_block(value, self.spec, self.whole, self.name)
-
-
 def _axes_of(spec: Any, name: str) -> list[tuple[str, int]]:
     """``(axis, dim)`` pairs of a block's spec, in the order the splits apply."""
     if spec is None or isinstance(spec, Replicate):
@@ -133,48 +122,52 @@ def _axes_of(spec: Any, name: str) -> list[tuple[str, int]]:
     )
 
 
-def _gather_block(
-    block: torch.Tensor, spec: Any, whole: tuple[int, ...], name: str
-) -> torch.Tensor:
-    """The whole parameter from this rank's block (inside a map over the spec's axes)."""
+def _block_plan(name: str, value: Any, spec: Any, whole: tuple[int, ...]) -> BlockPlan:
+    """How the value of ``params[name]`` becomes the whole parameter: a GlobalTensor over its
+    own mesh (the transpose slices), a block inside a map over its spec's axes (the transpose
+    reduce-scatters; uneven blocks padded), a whole tensor as it is."""
+    if is_global(value):
+        return block_plan(value, f"params[{name!r}]", _FN)
     pairs = _axes_of(spec, name)
     if not pairs:
-        return block
-    mesh = mesh_for(_FN)
-    names = tuple(mesh.mesh_dim_names or ())
-    sizes = {a: mesh.size(names.index(a)) for a, _ in pairs}
-    coord = {a: mesh.get_local_rank(a) for a, _ in pairs}
-    runs = index_runs(
-        whole,
-        tuple(sizes[a] for a, _ in pairs),
-        tuple(coord[a] for a, _ in pairs),
-        tuple(Shard(d) for _, d in pairs),
-    )
-    expected = tuple(sum(map(len, r)) for r in runs)
-    if tuple(block.shape) != expected:
+        return BlockPlan(whole, whole, ())
+    mesh_for(_FN)  # the error names sharded_call when there is no mesh
+    splits = [(comm(axis, _FN), Shard(d)) for axis, d in pairs]
+    expected, levels = block_levels(whole, splits)
+    if tuple(value.shape) != expected:
         raise ValueError(
-            f"{_FN} params[{name!r}]: the block has shape {tuple(block.shape)}, but {spec!r} "
+            f"{_FN} params[{name!r}]: the block has shape {tuple(value.shape)}, but {spec!r} "
             f"splits the module's parameter of shape {whole} so that this rank holds "
             f"{expected}; pass the block the map gave (its in_spec as specs[{name!r}])"
         )
-    out = block
-    # undo the splits innermost first: each gathers the pieces of the block one level up
-    for i in reversed(range(len(pairs))):
-        axis, d = pairs[i]
-        outer = index_runs(
-            whole,
-            tuple(sizes[a] for a, _ in pairs[:i]),
-            tuple(coord[a] for a, _ in pairs[:i]),
-            tuple(Shard(dd) for _, dd in pairs[:i]),
-        )
-        length = sum(map(len, outer[d]))  # the size of dim d one level up
-        piece = -(-length // sizes[axis])
-        if out.shape[d] < piece:  # uneven: pad to the largest piece, trim after the gather
-            pad = list(out.shape)
-            pad[d] = piece - out.shape[d]
-            out = torch.cat([out, out.new_zeros(pad)], d)
-        out = all_gather(out, axis, dim=d, tiled=True).narrow(d, 0, length)
-    return out
+    return BlockPlan(expected, whole, levels)
+
+
+class _Gathered:
+    """Some parameters gathered together (a unit's, or the rest's): their plans, and which of
+    them need work (a gather or a cast; the others are used as they are). ``cast[i]``: the
+    value is a parameter (a buffer keeps its dtype)."""
+
+    def __init__(
+        self, plans: list[BlockPlan], dtypes: list[torch.dtype], policy: ShardedCallPolicy,
+        cast: list[bool],
+    ) -> None:  # fmt: skip
+        pd = policy.param_dtype
+        self.work = [
+            i
+            for i, (bp, c, d) in enumerate(zip(plans, cast, dtypes, strict=True))
+            if bp.levels or (c and pd is not None and d.is_floating_point and d != pd)
+        ]
+        # only floating-point parameters are cast (a buffer that is gathered keeps its dtype)
+        blocks = tuple(dataclasses.replace(plans[i], cast=cast[i]) for i in self.work)
+        self.plan = UnitPlan(blocks, pd, policy.reduce)
+
+    def __call__(self, blocks: list[torch.Tensor], slot: UnitSlot | None) -> list[torch.Tensor]:
+        if not self.work:
+            return list(blocks)
+        wholes = iter(cast_gather(self.plan, [blocks[i] for i in self.work], slot))
+        work = set(self.work)
+        return [next(wholes) if i in work else b for i, b in enumerate(blocks)]
 
 
 class _UnitCall:
@@ -188,14 +181,14 @@ class _UnitCall:
         unit: torch.nn.Module,
         name: str,
         local_names: list[str],
-        gatherers: list[_Gatherer],
-        metas: list[Any],
+        gathered: _Gathered,
+        slot: UnitSlot | None,
     ) -> None:
         self.unit = unit
         self.__qualname__ = name  # how ps.checkpoint's errors name this call
         self.local_names = local_names
-        self.gatherers = gatherers
-        self.metas = metas
+        self.gathered = gathered
+        self.slot = slot
 
     def __call__(
         self,
@@ -205,16 +198,57 @@ class _UnitCall:
         **kwargs: Any,
     ) -> Any:
         whole = dict(extras)
-        for local_name, gatherer, meta, block in zip(
-            self.local_names, self.gatherers, self.metas, blocks, strict=True
+        for local_name, value in zip(
+            self.local_names, self.gathered(blocks, self.slot), strict=True
         ):
-            value = block if meta is None else GlobalTensor(block, meta)
-            whole[local_name] = checkpoint_name(gatherer(value), GATHER_NAME)
+            whole[local_name] = checkpoint_name(value, GATHER_NAME)
         token = _INSIDE.set(_INSIDE.get() | {id(self.unit)})
         try:
             return torch.func.functional_call(self.unit, whole, args, kwargs, strict=False)
         finally:
             _INSIDE.reset(token)
+
+
+class _UnitEntry:
+    """What the model's call of a unit runs: its place in the schedule, its inputs cast, the
+    checkpointed call, and (when the backward gathers again and overlaps) the Function on its
+    outputs that starts the backward's gathers."""
+
+    def __init__(
+        self, run: _UnitCall, u: int, blocks: list[torch.Tensor], extras: dict[str, torch.Tensor],
+        schedule: UnitSchedule, policy: ShardedCallPolicy,
+    ) -> None:  # fmt: skip
+        self.run = run
+        self.u = u
+        self.blocks = blocks
+        self.extras = extras
+        self.schedule = schedule
+        self.policy = policy
+        # reshard after forward: every value kept but the gathered weights (gathered again)
+        dropped = (GATHER_NAME,) if policy.reshard_after_forward else ()
+        self.checkpoint_policy = save_anything_except_these_names(*dropped)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        position = self.schedule.forward_call(self.u)
+        args, kwargs = self.policy.cast_inputs((args, kwargs))
+        out = checkpoint(self.run, self.blocks, self.extras, *args, policy=self.checkpoint_policy,
+                         **kwargs)  # fmt: skip
+        if not (self.policy.prefetch and self.policy.reshard_after_forward):
+            return out
+        if not (torch.is_grad_enabled() or compat.transforms_active()):
+            return out
+        leaves, treedef = tree_flatten(out)
+        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and _float(x)]
+        if not at:
+            return out
+        passed = call(PreBackward, self.schedule, position, *[leaves[i] for i in at])
+        for i, x in zip(at, passed, strict=True):
+            leaves[i] = x
+        return tree_unflatten(treedef, leaves)
+
+
+def _float(x: torch.Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
 
 
 @contextlib.contextmanager
@@ -223,11 +257,11 @@ def _installed(calls: Mapping[int, tuple[torch.nn.Module, Callable[..., Any]]]) 
     call, the unit's own forward."""
     saved = []
     try:
-        for unit, call in calls.values():
+        for unit, entry in calls.values():
             own = unit.__dict__.get("forward")
             original = type(unit).forward if own is None else own
 
-            def forward(*args: Any, __unit: Any = unit, __call: Any = call, __orig: Any = original,
+            def forward(*args: Any, __unit: Any = unit, __call: Any = entry, __orig: Any = original,
                         **kwargs: Any) -> Any:  # fmt: skip
                 if id(__unit) in _INSIDE.get():
                     return (
@@ -256,6 +290,10 @@ def sharded_call(
     *,
     specs: Any = None,
     units: Units = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    prefetch: bool = True,
+    reshard_after_forward: bool = True,
 ) -> Any:
     """``torch.func.functional_call(module, params, args, kwargs)`` with FSDP-sharded
     parameters: each unit of the model gathers its parameters right before it runs, lets them
@@ -327,6 +365,7 @@ def sharded_call(
         >>> torch.allclose(out, model(torch.ones(3, 4)))
         True
     """
+    policy = ShardedCallPolicy.of(param_dtype, reduce_dtype, prefetch, reshard_after_forward)
     kwargs = dict(kwargs or {})
     args = args if isinstance(args, tuple) else (args,)
     if not isinstance(module, torch.nn.Module):
@@ -358,16 +397,32 @@ def sharded_call(
     # every parameter or buffer given, under its name and its tied aliases
     given = {alias: n for n in params for alias in shared.get(n, (n,))}
     members: dict[str, list[str]] = {p: [] for p, _ in unit_list}
-    rest: dict[str, Any] = {}
-    for n, v in params.items():
+    plans = {n: _block_plan(n, v, by_name[n], tuple(own[n].shape)) for n, v in params.items()}
+    is_param = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+
+    def gathered(names: list[str]) -> _Gathered:
+        dtypes = [_local(params[n]).dtype for n in names]
+        return _Gathered([plans[n] for n in names], dtypes, policy, [n in is_param for n in names])
+
+    def own_value(name: str) -> torch.Tensor:  # a parameter params does not give: cast
+        value = own[name]
+        if name in is_param and value.is_floating_point() and policy.param_dtype is not None:
+            return value.to(policy.param_dtype)
+        return value
+
+    rest_names = []
+    for n in params:
         owner = None if n in shared else _owner(n, prefixes)
         if owner is not None:
             members[owner].append(n)
-        elif is_global(v) or by_name[n] is not None:
-            rest[n] = _Gatherer(n, by_name[n], tuple(own[n].shape))(v)
         else:
-            rest[n] = v
-    calls: dict[int, tuple[torch.nn.Module, Callable[..., Any]]] = {}
+            rest_names.append(n)
+    rest_blocks = [_local(params[n]) for n in rest_names]
+    rest = dict(zip(rest_names, gathered(rest_names)(rest_blocks, None), strict=True))
+    if policy.param_dtype is not None:  # the module's own parameters, cast as FSDP2 casts
+        unit_of = {n: _owner(n, prefixes) for n in own if n not in given}
+        rest.update({n: own_value(n) for n, o in unit_of.items() if o is None and n in is_param})
+    entries = []  # (prefix, unit, names, blocks, extras) of the units with parameters given
     for prefix, unit in unit_list:
         mine = members[prefix]
         # what else the unit reads: weights tied to the rest's (gathered there) and its own
@@ -379,21 +434,53 @@ def sharded_call(
                 continue
             local_name = alias[len(prefix) + 1 :]
             source = given.get(alias)
-            extras[local_name] = rest[source] if source is not None else own[alias]
-        if not mine:
-            continue
-        blocks = [params[n].local if is_global(params[n]) else params[n] for n in mine]
+            extras[local_name] = rest[source] if source is not None else own_value(alias)
+        if mine:
+            entries.append((prefix, unit, mine, [_local(params[n]) for n in mine], extras))
+    groups = [gathered(mine) for _, _, mine, _, _ in entries]
+    schedule = UnitSchedule(
+        [(g.plan, [blocks[i] for i in g.work]) for g, (*_, blocks, _) in zip(groups, entries,
+                                                                           strict=True)],
+        prefetch=policy.prefetch,
+        regather=policy.reshard_after_forward,
+    )  # fmt: skip
+    differentiated = torch.is_grad_enabled() or compat.transforms_active()
+    if policy.prefetch and differentiated and any(g.work for g in groups):
+        # every unit's blocks pass the gate, whose backward comes after all of theirs
+        flat = [b for g, e in zip(groups, entries, strict=True) for b in (e[3][i] for i in g.work)]
+        it = iter(gate(schedule, flat))
+        for g, e in zip(groups, entries, strict=True):
+            for i in g.work:
+                e[3][i] = next(it)
+        for unit_s, g, e in zip(schedule.units, groups, entries, strict=True):
+            unit_s.blocks = [e[3][i] for i in g.work]
+    calls: dict[int, tuple[torch.nn.Module, Callable[..., Any]]] = {}
+    for u, (g, (prefix, unit, mine, blocks, extras)) in enumerate(
+        zip(groups, entries, strict=True)
+    ):
         run = _UnitCall(
             unit,
             f"{_FN} unit {prefix!r} ({type(unit).__name__})",
             [n[len(prefix) + 1 :] for n in mine],
-            [_Gatherer(n, by_name[n], tuple(own[n].shape)) for n in mine],
-            [params[n].meta if is_global(params[n]) else None for n in mine],
+            g,
+            UnitSlot(schedule, u) if policy.prefetch else None,
         )
-        policy = save_anything_except_these_names(GATHER_NAME)
-        calls[id(unit)] = (unit, _bind(checkpoint(run, policy=policy), blocks, extras))
-    with _installed(calls):
-        return torch.func.functional_call(module, rest, args, kwargs, strict=False)
+        calls[id(unit)] = (unit, _UnitEntry(run, u, blocks, extras, schedule, policy))
+    args, kwargs = policy.cast_inputs((args, kwargs))
+    kwargs = dict(kwargs)
+    try:
+        with _installed(calls):
+            schedule.issue(0 if entries else None)
+            out = torch.func.functional_call(module, rest, args, kwargs, strict=False)
+    except BaseException:
+        schedule.gathers.clear()  # not waited for: another rank may never issue its part
+        raise
+    schedule.drain()  # what the forward issued and did not take
+    return out
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.local if is_global(value) else value
 
 
 def _specs_by_name(params: Mapping[str, Any], specs: Any) -> dict[str, Any]:
@@ -445,12 +532,3 @@ def _shared_names(
         if len(group) > 1 and len({_owner(a, prefixes) for a in group}) > 1:
             out[n] = tuple(group)
     return out
-
-
-def _bind(
-    fn: Callable[..., Any], blocks: list[torch.Tensor], extras: dict[str, torch.Tensor]
-) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(blocks, extras, *args, **kwargs)
-
-    return call

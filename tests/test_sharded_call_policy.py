@@ -1,0 +1,258 @@
+"""ps.sharded_call's policy: mixed precision (param_dtype, reduce_dtype), prefetch and
+reshard_after_forward, against the same casts done by hand on one process.
+
+Float32 masters, bfloat16 compute: outside any map (GlobalTensors, whole data) the output and
+the gradients equal the one-process bfloat16 run bit for bit; inside a shard_map over "dp" with
+the batch split, the gradient blocks equal the sum over the ranks' rows of the one-process
+bfloat16 gradients of those rows, summed in float32 (``reduce_dtype``) or in bfloat16 (the
+default, FSDP2's). What the transport is handed is counted: bfloat16 gathers move half the bytes
+of float32 ones, and ``reshard_after_forward=False`` gathers once. ``prefetch`` changes no bit
+under ``torch.func.grad`` and ``.backward()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call, grad
+
+import pshard as ps
+from pshard._core.global_tensor import block_runs
+from pshard._runtime.transport import ThreadGroup
+
+f32, bf16 = torch.float32, torch.bfloat16
+P = ps.P
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width, bias=False)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.up.weight.dtype)
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, width: int = 6, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 3)
+        self.order = list(range(depth))  # the blocks in the order the forward calls them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i in self.order:
+            h = self.blocks[i](h)
+        return self.head(h)
+
+
+def _model() -> tuple[Model, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Model()
+    return model, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _by_hand(model: Model, whole: dict, x: torch.Tensor) -> torch.Tensor:
+    """The casts done by hand on one process: bfloat16 weights and input."""
+    return functional_call(model, {k: v.to(bf16) for k, v in whole.items()}, (x.to(bf16),))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return (out.float() ** 2).sum()
+
+
+def _block(x: torch.Tensor, g: ps.GlobalTensor) -> torch.Tensor:
+    mesh = g.mesh
+    runs = block_runs(g.meta, {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names})
+    for d, r in enumerate(runs):
+        x = x.index_select(d, torch.tensor([i for run in r for i in run], dtype=torch.long))
+    return x
+
+
+@contextlib.contextmanager
+def _wire() -> Iterator[dict[str, list[int]]]:
+    """Bytes handed to the in-process transport per all-gather and reduce-scatter (every
+    rank's, in the order they were issued)."""
+    seen: dict[str, list[int]] = {"all_gather": [], "reduce_scatter": []}
+    gather, scatter = ThreadGroup.all_gather_single, ThreadGroup.reduce_scatter_single
+
+    def counted_gather(self: Any, output: Any, input: Any, opts: Any = None) -> Any:
+        seen["all_gather"].append(input.numel() * input.element_size())
+        return gather(self, output, input, opts)
+
+    def counted_scatter(self: Any, output: Any, input: Any, opts: Any = None) -> Any:
+        seen["reduce_scatter"].append(input.numel() * input.element_size())
+        return scatter(self, output, input, opts)
+
+    ThreadGroup.all_gather_single = counted_gather  # type: ignore[method-assign]
+    ThreadGroup.reduce_scatter_single = counted_scatter  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        ThreadGroup.all_gather_single = gather  # type: ignore[method-assign]
+        ThreadGroup.reduce_scatter_single = scatter  # type: ignore[method-assign]
+
+
+def _outside_worker(nprocs: int) -> None:
+    """GlobalTensors outside any map: bit for bit the one-process bfloat16 run."""
+    ps.init_mesh({"dp": nprocs})
+    model, whole = _model()
+    x = torch.randn(5, 4)
+    params = ps.shard(whole, P("dp"))  # float32 masters, uneven blocks
+    policy = {"param_dtype": bf16, "reduce_dtype": f32}
+    out = ps.sharded_call(model, params, (x,), **policy)
+    assert out.dtype == bf16 and set(model.blocks[0].seen) == {bf16}
+    assert torch.equal(out, _by_hand(model, whole, x))
+    plain = functional_call(model, whole, (x,))
+    assert (out.float() - plain).abs().max() > 1e-4  # bfloat16, not the float32 result
+    got = grad(lambda p: _loss(ps.sharded_call(model, p, (x,), **policy)))(params)
+    want = grad(lambda w: _loss(_by_hand(model, w, x)))(whole)
+    for k, g in got.items():
+        assert g.local.dtype == f32 and g.meta == params[k].meta, k
+        assert torch.equal(g.local, _block(want[k], g)), k
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_bfloat16_outside_a_map_equals_the_casts_by_hand(pool: Any, nprocs: int) -> None:
+    pool.run(nprocs, _outside_worker, nprocs)
+
+
+def _inside_worker(nprocs: int, reduce_dtype: torch.dtype | None) -> None:
+    """Blocks inside a shard_map over "dp", the batch split: each rank's bfloat16 cotangents
+    reduced in ``reduce_dtype`` (``None``: bfloat16, FSDP2's default)."""
+    ps.init_mesh({"dp": nprocs})
+    model, whole = _model()
+    meta = Model().to("meta")
+    x = torch.randn(4 * nprocs, 4)
+    params = ps.shard(whole, P("dp"))
+
+    def body(p: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = ps.sharded_call(meta, p, (x,), specs=P("dp"), param_dtype=bf16,
+                              reduce_dtype=reduce_dtype)  # fmt: skip
+        return ps.psum(_loss(out), "dp"), out
+
+    loss = ps.shard_map(body, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp")))
+    value, out = loss(params, x)
+    ref = _by_hand(model, whole, x)
+    assert out.dtype == bf16 and torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    got = grad(lambda p: loss(p, x)[0])(params)
+    # one process: each rank's rows in bfloat16, the gradients summed in reduce_dtype
+    parts = [grad(lambda w, r=r: _loss(_by_hand(model, w, r)))(whole) for r in x.chunk(nprocs)]
+    for k, g in got.items():
+        total = parts[0][k].to(bf16)
+        for part in parts[1:]:  # in rank order, as the in-process ranks reduce
+            total = (total.float() + part[k].to(bf16).float()).to(reduce_dtype or bf16)
+        assert g.local.dtype == f32, k
+        torch.testing.assert_close(g.local, _block(total.float(), g), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("nprocs", "reduce_dtype"), [(2, f32), (4, None)])
+def test_bfloat16_inside_a_map_reduces_in_reduce_dtype(
+    pool: Any, nprocs: int, reduce_dtype: torch.dtype | None
+) -> None:
+    pool.run(nprocs, _inside_worker, nprocs, reduce_dtype)
+
+
+_POLICIES = {
+    "float32": {},
+    "bfloat16": {"param_dtype": bf16, "reduce_dtype": f32},
+    "zero2": {"param_dtype": bf16, "reduce_dtype": f32, "reshard_after_forward": False},
+}
+
+
+def _step_worker(policy: str) -> None:
+    """One gradient of a map over "dp" under ``policy``."""
+    ps.init_mesh({"dp": 2})
+    _, whole = _model()
+    meta = Model().to("meta")
+    x = torch.randn(8, 4)
+    params = ps.shard(whole, P("dp"))
+
+    def body(p: dict, x: torch.Tensor) -> torch.Tensor:
+        out = ps.sharded_call(meta, p, (x,), specs=P("dp"), **_POLICIES[policy])
+        return ps.psum(_loss(out), "dp")
+
+    grad(ps.shard_map(body, in_specs=(P("dp"), P("dp")), out_specs=P()))(params, x)
+
+
+def test_bfloat16_gathers_move_half_the_bytes(pool: Any) -> None:
+    seen = {}
+    for policy in _POLICIES:
+        with _wire() as seen[policy]:  # the ranks are threads of this process
+            pool.run(2, _step_worker, policy)
+    f, b, z = seen["float32"], seen["bfloat16"], seen["zero2"]
+    # two ranks; each of 3 units gathers its 3 tensors twice (forward, backward), the rest 4
+    assert len(f["all_gather"]) == len(b["all_gather"]) == 2 * (2 * 3 * 3 + 4)
+    assert 2 * sum(b["all_gather"]) == sum(f["all_gather"]) > 0
+    assert b["reduce_scatter"] == f["reduce_scatter"]  # reduced in float32 either way
+    # reshard_after_forward=False: the units gather once (the forward's gathers)
+    assert len(z["all_gather"]) == 2 * (3 * 3 + 4)
+
+
+def _overlap_worker(nprocs: int, inside: bool) -> None:
+    """The gradients with and without prefetch under torch.func.grad and .backward(); outside
+    a map, the model calls its blocks out of order and one of them twice (the prefetch of the
+    next block in the model's order misses, the twice-used block reduces at once)."""
+    ps.init_mesh({"dp": nprocs})
+    model, whole = _model()
+    if not inside:
+        model.order = [2, 0, 0, 1]
+    x = torch.randn(4 * nprocs, 4)
+    params = ps.shard(whole, P("dp"))
+    out = []
+    for prefetch in (True, False):
+        kw = {"param_dtype": bf16, "reduce_dtype": f32, "prefetch": prefetch}
+        if inside:
+
+            def body(p: dict, x: torch.Tensor, kw: dict = kw) -> torch.Tensor:
+                return ps.psum(_loss(ps.sharded_call(model, p, (x,), specs=P("dp"), **kw)), "dp")
+
+            loss = ps.shard_map(body, in_specs=(P("dp"), P("dp")), out_specs=P())
+        else:
+
+            def loss(p: dict, x: torch.Tensor, kw: dict = kw) -> torch.Tensor:
+                return _loss(ps.sharded_call(model, p, (x,), **kw))
+
+        g = grad(loss)(params, x)
+        out += [g[k].local for k in sorted(g)]
+        leaves = {
+            k: ps.GlobalTensor(v.local.clone().requires_grad_(), v.meta) for k, v in params.items()
+        }
+        loss(leaves, x).backward()
+        out += [leaves[k].local.grad for k in sorted(leaves)]
+    half = len(out) // 2
+    for a, b in zip(out[:half], out[half:], strict=True):
+        assert torch.equal(a, b)
+    if not inside:  # and they are the gradients of the casts by hand
+        want = grad(lambda w: _loss(_by_hand(model, w, x)))(whole)
+        for k, g in zip(sorted(params), out[:half], strict=False):
+            # block 0's two calls' gradients add up in float32 here, in bfloat16 by hand
+            tol = 1e-2 if k.startswith("blocks.0.") else 0.0
+            torch.testing.assert_close(g, _block(want[k], params[k]), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("nprocs", "inside"), [(2, False), (4, True)])
+def test_prefetch_changes_no_bit(pool: Any, nprocs: int, inside: bool) -> None:
+    pool.run(nprocs, _overlap_worker, nprocs, inside)
+
+
+def test_policy_errors() -> None:
+    ps.init_mesh({"dp": 1})
+    model, whole = _model()
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match=re.escape("sharded_call: param_dtype must be a torch")):
+        ps.sharded_call(model, whole, (x,), param_dtype="bfloat16")
+    with pytest.raises(ValueError, match=re.escape("reduce_dtype=torch.int32 is not a floating")):
+        ps.sharded_call(model, whole, (x,), reduce_dtype=torch.int32)
+    with pytest.raises(TypeError, match=re.escape("sharded_call: prefetch must be True or False")):
+        ps.sharded_call(model, whole, (x,), prefetch=1)
