@@ -256,3 +256,63 @@ def test_policy_errors() -> None:
         ps.sharded_call(model, whole, (x,), reduce_dtype=torch.int32)
     with pytest.raises(TypeError, match=re.escape("sharded_call: prefetch must be True or False")):
         ps.sharded_call(model, whole, (x,), prefetch=1)
+
+
+def _transforms_worker(inside: bool) -> None:
+    """jvp, grad of grad and vmap (over the data, and of per-example gradients) through the
+    units' gathers, in float64 against one process; prefetch on, debug mode on."""
+    ps.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    model = Model().double()
+    whole = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x = torch.randn(4, 4, dtype=torch.float64)
+    params = ps.shard(whole, P("dp"))
+    tangent = {k: torch.randn_like(v) for k, v in whole.items()}
+    tangents = ps.shard(tangent, P("dp"))
+
+    def one(w: dict, x: torch.Tensor) -> torch.Tensor:
+        return (functional_call(model, w, (x,)) ** 2).sum()
+
+    if inside:
+
+        def body(p: dict, x: torch.Tensor) -> torch.Tensor:
+            return ps.psum((ps.sharded_call(model, p, (x,), specs=P("dp")) ** 2).sum(), "dp")
+
+        loss = ps.shard_map(body, in_specs=(P("dp"), P("dp")), out_specs=P())
+    else:
+
+        def loss(p: dict, x: torch.Tensor) -> torch.Tensor:
+            return (ps.sharded_call(model, p, (x,)) ** 2).sum()
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+    with ps.debug(True):
+        _, got = torch.func.jvp(lambda p: loss(p, x), (params,), (tangents,))
+        _, want = torch.func.jvp(lambda w: one(w, x), (whole,), (tangent,))
+        close(got, want)
+
+        def hvp(p: dict, v: dict, f: Any) -> dict:  # grad of <grad f, v> (whole values)
+            def inner(q: dict) -> torch.Tensor:
+                g, w = ps.gather(grad(f)(q)), ps.gather(v)
+                return sum((g[k] * w[k]).sum() for k in q)
+
+            return grad(inner)(p)
+
+        got_h = hvp(params, tangents, lambda p: loss(p, x))
+        want_h = hvp(whole, tangent, lambda w: one(w, x))
+        for k, g in got_h.items():
+            close(g.local, _block(want_h[k], g))
+        xs = torch.randn(3, 2, 4, dtype=torch.float64)
+        if not inside:  # vmap over the data with the parameters held by every example
+            close(torch.func.vmap(loss, in_dims=(None, 0))(params, xs),
+                  torch.func.vmap(one, in_dims=(None, 0))(whole, xs))  # fmt: skip
+        per_example = torch.func.vmap(grad(loss), in_dims=(None, 0))(params, xs)
+        want_e = torch.func.vmap(grad(one), in_dims=(None, 0))(whole, xs)
+        for k, g in per_example.items():
+            close(g.local, _block(want_e[k].movedim(0, -1), g).movedim(-1, 0))
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_composes_with_every_transform(pool: Any, inside: bool) -> None:
+    pool.run(2, _transforms_worker, inside)

@@ -129,7 +129,10 @@ class UnitSchedule:
         return True
 
     def finish(self) -> None:
-        """The end of the backward: every scatter waited for, every stale gather dropped."""
+        """The end of the backward: every scatter waited for, every stale gather dropped. No
+        scatter is deferred after it: a later backward pass through the same graph (a second
+        ``.backward()``, the outer pass of a second derivative) does not run the gate again."""
+        self.gated = False
         with _quiet():
             for _, pending in self.scatters:
                 pending.wait()
