@@ -13,6 +13,7 @@ under ``torch.func.grad`` and ``.backward()``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -241,9 +242,27 @@ def _overlap_worker(nprocs: int, inside: bool) -> None:
             torch.testing.assert_close(g, _block(want[k], params[k]), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize(("nprocs", "inside"), [(2, False), (4, True)])
-def test_prefetch_changes_no_bit(pool: Any, nprocs: int, inside: bool) -> None:
-    pool.run(nprocs, _overlap_worker, nprocs, inside)
+@contextlib.contextmanager
+def _accelerator_streams() -> Iterator[None]:
+    """The CPU given a recording stream API, so that the paths of an accelerator run (the side
+    streams, reduce-scatters left in flight until the gate); the ranks are threads of this
+    process."""
+    from pshard._runtime import streams
+
+    api = streams.stream_api
+    streams.stream_api = lambda device: _Streams()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        streams.stream_api = api  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    ("nprocs", "inside", "accelerator"), [(2, False, False), (4, True, False), (2, True, True)]
+)
+def test_prefetch_changes_no_bit(pool: Any, nprocs: int, inside: bool, accelerator: bool) -> None:
+    with _accelerator_streams() if accelerator else contextlib.nullcontext():
+        pool.run(nprocs, _overlap_worker, nprocs, inside)
 
 
 def test_policy_errors() -> None:
@@ -315,4 +334,107 @@ def _transforms_worker(inside: bool) -> None:
 
 @pytest.mark.parametrize("inside", [False, True])
 def test_composes_with_every_transform(pool: Any, inside: bool) -> None:
-    pool.run(2, _transforms_worker, inside)
+    # inside a map, with the accelerator's paths: scatters in flight until the gate
+    with _accelerator_streams() if inside else contextlib.nullcontext():
+        pool.run(2, _transforms_worker, inside)
+
+
+class _Streams:
+    """A device stream API that records what is asked of it (the CUDA path, on the CPU)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.current = "compute"
+
+    def Stream(self, device: torch.device) -> Any:  # noqa: N802 - torch's name
+        api = self
+
+        class Stream:
+            name = "side"
+
+            def wait_stream(self, other: Any) -> None:
+                api.log.append(("wait", self.name, getattr(other, "name", other)))
+
+        return Stream()
+
+    def current_stream(self, device: torch.device) -> Any:
+        api = self
+
+        class Current:
+            name = self.current
+
+            def wait_stream(self, other: Any) -> None:
+                api.log.append(("wait", self.name, other.name))
+
+        return Current()
+
+    @contextlib.contextmanager
+    def stream(self, s: Any) -> Iterator[None]:
+        before, self.current = self.current, s.name
+        self.log.append(("enter", s.name))
+        try:
+            yield
+        finally:
+            self.current = before
+            self.log.append(("exit", s.name))
+
+    def record_stream(self, t: torch.Tensor, s: Any) -> None:
+        self.log.append(("record", tuple(t.shape), s.name))
+
+
+def _streams_worker() -> list[tuple[str, ...]]:
+    """A gather and a scatter issued on a side stream: the stream waits for the compute
+    stream first, the cast and the collectives run on it, and the compute stream waits for it
+    and records what it made before anything reads them."""
+    from pshard._collectives.cast_gather import (
+        BlockPlan,
+        PendingGather,
+        PendingScatter,
+        UnitPlan,
+        block_levels,
+    )
+    from pshard._runtime import wire
+    from pshard._runtime.streams import SideStream
+
+    ps.init_mesh({"dp": 2})
+    api = _Streams()
+    _API.set(api)  # what the spies on the wire (installed by the test) log into
+    side = SideStream(torch.device("cpu"), api)
+    comm = wire.comm("dp", "test")
+    shape, levels = block_levels((5, 3), [(comm, ps.Shard(0))])
+    plan = UnitPlan((BlockPlan(shape, (5, 3), levels),), bf16, f32)
+    (whole,) = PendingGather(plan, [torch.randn(shape)], side).wait()
+    scatter = PendingScatter(plan, (f32,), [torch.ones(5, 3, dtype=bf16)], side)
+    scatter.wait()
+    assert whole.dtype == bf16 and scatter.outputs[0].dtype == f32
+    return api.log
+
+
+_API: contextvars.ContextVar[_Streams] = contextvars.ContextVar("test_streams_api")
+
+
+def test_side_streams_order_the_work(pool: Any) -> None:
+    from pshard._runtime import wire
+
+    issued = wire.all_gather_start, wire.reduce_scatter_start
+
+    def spied(i: int) -> Any:
+        def call(*args: Any) -> Any:
+            api = _API.get()
+            api.log.append(("collective", api.current))
+            return issued[i](*args)
+
+        return call
+
+    wire.all_gather_start, wire.reduce_scatter_start = spied(0), spied(1)
+    try:  # the ranks are threads of this process
+        log = pool.run(2, _streams_worker)[0]
+    finally:
+        wire.all_gather_start, wire.reduce_scatter_start = issued
+    piece = (3, 3)  # rank 0's block of 5 rows over 2 ranks
+    assert log == [
+        ("wait", "side", "compute"), ("enter", "side"), ("collective", "side"), ("exit", "side"),
+        ("wait", "compute", "side"), ("record", (2, *piece), "compute"),
+        ("wait", "side", "compute"), ("enter", "side"), ("collective", "side"), ("exit", "side"),
+        ("wait", "compute", "side"), ("record", piece, "compute"),
+    ]  # fmt: skip

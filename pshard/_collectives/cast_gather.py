@@ -31,6 +31,7 @@ the data came from a prefetch or from a gather run there, and recomputes it as o
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ import torch
 from .._core.layout_rules import index_runs
 from .._core.placements import Shard, StridedShard
 from .._runtime import wire
+from .._runtime.streams import SideStream
 from .._runtime.wire import Comm
 from . import apply
 from .apply import call, eager_rules
@@ -171,8 +173,12 @@ class Slot(Protocol):
     def take(self, blocks: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The wholes of ``blocks`` gathered ahead (waited for here), or ``None``: gather now."""
 
-    def defer(self, pending: PendingScatter) -> bool:
-        """Take ``pending`` to wait for later (``True``), or refuse (``False``: wait now)."""
+    def defers(self) -> SideStream | None:
+        """The stream to issue this unit's scatter on if it may be left in flight (then
+        handed to :meth:`defer`), ``None`` if it must be waited for at once."""
+
+    def defer(self, pending: PendingScatter) -> None:
+        """Take ``pending`` to wait for later."""
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -213,17 +219,22 @@ class PendingGather:
     :meth:`wait`). Holds the blocks' versions at the time of issue: a block written to since
     cannot take it."""
 
-    def __init__(self, plan: UnitPlan, blocks: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, plan: UnitPlan, blocks: Sequence[torch.Tensor], stream: SideStream | None = None
+    ) -> None:
         self.plan = plan
         self.versions = [_version(b) for b in blocks]
+        self._stream = stream
+        self._blocks = list(blocks) if stream is not None and stream.active else []
         self._parts: list[tuple[torch.Tensor, list[Any]] | torch.Tensor] = []
-        for bp, b in zip(plan.blocks, blocks, strict=True):
-            x = _cast(b, plan.param_dtype if bp.cast else None)
-            if not bp.levels:
-                self._parts.append(x if x is not b else b.clone())
-                continue
-            lv = bp.levels[0]
-            self._parts.append(wire.all_gather_start(_pad(x, lv.dim, lv.piece), lv.comm))
+        with contextlib.nullcontext() if stream is None else stream.issue():
+            for bp, b in zip(plan.blocks, blocks, strict=True):
+                x = _cast(b, plan.param_dtype if bp.cast else None)
+                if not bp.levels:
+                    self._parts.append(x if x is not b else b.clone())
+                    continue
+                lv = bp.levels[0]
+                self._parts.append(wire.all_gather_start(_pad(x, lv.dim, lv.piece), lv.comm))
 
     def matches(self, blocks: Sequence[torch.Tensor]) -> bool:
         return len(blocks) == len(self.versions) and all(
@@ -232,25 +243,32 @@ class PendingGather:
         )
 
     def wait(self) -> list[torch.Tensor]:
+        made = [p if isinstance(p, torch.Tensor) else p[0] for p in self._parts]
+        for part in self._parts:
+            if not isinstance(part, torch.Tensor):
+                wire.wait(part[1])
+        if self._stream is not None:
+            self._stream.join(made)
         out = []
-        for bp, part in zip(self.plan.blocks, self._parts, strict=True):
-            if isinstance(part, torch.Tensor):
-                out.append(part)
+        for bp, buf in zip(self.plan.blocks, made, strict=True):
+            if not bp.levels:
+                out.append(buf)
                 continue
-            buf, pending = part
-            wire.wait(pending)
             x = _assemble(buf, bp.levels[0])
             for lv in bp.levels[1:]:
                 x = _gather_level(x, lv)
             out.append(x)
-        self._parts = []
+        self._parts, self._blocks = [], []
         return out
 
 
-def gather_start(plan: UnitPlan, blocks: Sequence[torch.Tensor]) -> PendingGather:
+def gather_start(
+    plan: UnitPlan, blocks: Sequence[torch.Tensor], stream: SideStream | None = None
+) -> PendingGather:
     """Issue the gathers of ``blocks`` (plain tensors, this rank's blocks, in ``plan``'s
-    order) and return at once; the blocks must not be written to until it is waited for."""
-    return PendingGather(plan, blocks)
+    order; on ``stream`` beside the compute) and return at once; the blocks must not be
+    written to until it is waited for."""
+    return PendingGather(plan, blocks, stream)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -271,11 +289,24 @@ class PendingScatter:
     :meth:`wait`); only the last level of each block is left in flight."""
 
     def __init__(
-        self, plan: UnitPlan, dtypes: Sequence[torch.dtype], cotangents: Sequence[torch.Tensor]
+        self,
+        plan: UnitPlan,
+        dtypes: Sequence[torch.dtype],
+        cotangents: Sequence[torch.Tensor],
+        stream: SideStream | None = None,
     ) -> None:
         self.outputs: list[torch.Tensor] = []
         self._finish: list[Callable[[], None]] = []
         self._pending: list[Any] = []
+        self._stream = stream
+        # read on the side stream: kept until it is joined (their memory is the compute's)
+        self._held = list(cotangents) if stream is not None and stream.active else []
+        with contextlib.nullcontext() if stream is None else stream.issue():
+            self._issue(plan, dtypes, cotangents)
+
+    def _issue(
+        self, plan: UnitPlan, dtypes: Sequence[torch.dtype], cotangents: Sequence[torch.Tensor]
+    ) -> None:
         for bp, dtype, g in zip(plan.blocks, dtypes, cotangents, strict=True):
             g = _cast(g, plan.reduce_dtype if bp.cast else None)
             if bp.transpose == "slice":
@@ -301,9 +332,11 @@ class PendingScatter:
 
     def wait(self) -> None:
         wire.wait(self._pending)
+        if self._stream is not None:
+            self._stream.join(self.outputs)
         for finish in self._finish:
             finish()
-        self._pending, self._finish = [], []
+        self._pending, self._finish, self._held = [], [], []
 
 
 def _slice(g: torch.Tensor, bp: BlockPlan, dtype: torch.dtype) -> torch.Tensor:
@@ -426,8 +459,11 @@ class CastScatter(torch.autograd.Function):
     def forward(
         plan: UnitPlan, dtypes: tuple[torch.dtype, ...], slot: Slot | None, *grads: torch.Tensor
     ) -> tuple[Any, ...]:
-        pending = PendingScatter(plan, dtypes, grads)
-        if slot is None or not slot.defer(pending):
+        stream = None if slot is None else slot.defers()
+        pending = PendingScatter(plan, dtypes, grads, stream)
+        if slot is not None and stream is not None:
+            slot.defer(pending)
+        else:
             pending.wait()
         return tuple(pending.outputs)
 

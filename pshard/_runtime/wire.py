@@ -254,7 +254,8 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
 def all_gather_start(x: torch.Tensor, c: Comm) -> tuple[torch.Tensor, list[Any]]:
     """Issue an all-gather of ``x`` over ``c`` and return at once: the output, of shape
     ``(c.size, *x.shape)`` with index ``i``'s ``x`` at ``[i]`` once ``wait(pending)`` returns,
-    and the pending work. ``x`` must not be written to before then. Every rank issues its
+    and the pending work (holding what the transport reads). ``x`` must not be written to
+    before then. Every rank issues its
     collectives on a group in the same order, the pending ones included (they are matched in
     order, as the blocking ones are). The transport is :func:`all_gather`'s (gloo's large CPU
     blocks as pairwise sends and receives straight into their slots)."""
@@ -264,11 +265,11 @@ def all_gather_start(x: torch.Tensor, c: Comm) -> tuple[torch.Tensor, list[Any]]
     buf = inp.new_empty((c.size, *inp.shape))
     if c.order is None and not pairwise(inp, c.group):
         work = _all_gather_flat(buf.view(-1), inp.view(-1), group=c.group, async_op=True)
-        return buf, [work]
+        return buf, [work, inp]
     # pairwise: each index's block straight into its slot (axis-index order, any group order)
     buf[c.rank].copy_(inp)
     peer = lambda i: _peer(c, i)  # noqa: E731
-    return buf, _shifted_start(c.rank, c.size, peer, [inp], [[b] for b in buf], c.group)
+    return buf, [*_shifted_start(c.rank, c.size, peer, [inp], [[b] for b in buf], c.group), inp]
 
 
 def reduce_scatter_start(x: torch.Tensor, c: Comm, dim: int) -> tuple[torch.Tensor, list[Any]]:

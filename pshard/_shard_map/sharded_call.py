@@ -463,7 +463,7 @@ def sharded_call(
             f"{_FN} unit {prefix!r} ({type(unit).__name__})",
             [n[len(prefix) + 1 :] for n in mine],
             g,
-            UnitSlot(schedule, u) if policy.prefetch else None,
+            UnitSlot(schedule, u, blocks[0].device) if policy.prefetch else None,
         )
         calls[id(unit)] = (unit, _UnitEntry(run, u, blocks, extras, schedule, policy))
     args, kwargs = policy.cast_inputs((args, kwargs))

@@ -9,11 +9,13 @@ FSDP2's order, kept per call (no state outlives it but what its backward needs):
   backward (a Function on its outputs, :class:`PreBackward`, whose backward runs first), its
   own gather and the previous unit's are issued; the unit then recomputes with its weights
   and pulls the cotangents back while the previous unit's weights travel.
-- **Reduce-scatters**: a unit's gradient reduce-scatter is left in flight and waited for when
-  the next unit issues its own (one unit's in flight at a time), and the rest at the end of the
-  backward: every block passes through :class:`Gate` before any unit uses it, a Function whose
-  backward runs after every unit's (it needs all their gradients), waits for what is in flight
-  and only then hands the gradients on. Nothing reads them before.
+- **Reduce-scatters** (on an accelerator, issued on a stream beside the compute): a unit's
+  gradient reduce-scatter is left in flight and waited for when the next unit issues its own
+  (one unit's in flight at a time), and the rest at the end of the backward: every block
+  passes through :class:`Gate` before any unit uses it, a Function whose backward runs after
+  every unit's (it needs all their gradients), waits for what is in flight and only then hands
+  the gradients on. Nothing reads them before. On the CPU they are waited for at once (see
+  :meth:`UnitSchedule.defers`).
 
 A prefetched gather is taken only by the primal call of its unit with the blocks it was issued
 for, unchanged since (their versions): the tangents of ``jvp``, ``vmap``'s batches and the
@@ -35,6 +37,7 @@ import torch
 from .. import _compat as compat
 from .._collectives.apply import call, eager_rules
 from .._collectives.cast_gather import PendingGather, PendingScatter, UnitPlan, gather_start
+from .._runtime.streams import SideStream
 
 __all__ = ["Gate", "PreBackward", "UnitSchedule", "UnitSlot", "gate"]
 
@@ -61,6 +64,7 @@ class UnitSchedule:
         self.gathers: dict[int, PendingGather] = {}
         self.scatters: list[tuple[int, PendingScatter]] = []
         self.gated = False
+        self.streams: dict[tuple[str, torch.device], SideStream] = {}
 
     # --- gathers ----------------------------------------------------------------------------
 
@@ -71,14 +75,14 @@ class UnitSchedule:
             return
         unit = self.units[u]
         raw = [compat.innermost(b) for b in unit.blocks]
-        if compat.tracing(raw) or any(compat.is_batched(b) for b in unit.blocks):
+        if not raw or compat.tracing(raw) or any(compat.is_batched(b) for b in unit.blocks):
             return
         if any(
             tuple(r.shape) != bp.block_shape for r, bp in zip(raw, unit.plan.blocks, strict=True)
         ):
             return
         with _quiet():
-            self.gathers[u] = gather_start(unit.plan, raw)
+            self.gathers[u] = gather_start(unit.plan, raw, self.side("gather", raw[0].device))
 
     def take(self, u: int, blocks: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         pending = self.gathers.pop(u, None)
@@ -113,20 +117,36 @@ class UnitSchedule:
         self.issue(u)
         self.issue(before)
 
+    def side(self, kind: str, device: torch.device) -> SideStream:
+        """The stream the gathers (``kind="gather"``) or the scatters are issued on."""
+        key = (kind, device)
+        if key not in self.streams:
+            self.streams[key] = SideStream(device)
+        return self.streams[key]
+
     # --- scatters -----------------------------------------------------------------------------
 
-    def defer(self, u: int, pending: PendingScatter) -> bool:
-        """Keep unit ``u``'s scatter in flight, when nothing reads its outputs before the
-        :class:`Gate` (the unit ran once, its blocks passed the gate)."""
+    def defers(self, u: int, device: torch.device) -> SideStream | None:
+        """The stream to issue unit ``u``'s scatter on if it may be left in flight: on an
+        accelerator (a stream beside the compute), when nothing reads its outputs before the
+        :class:`Gate` (the unit ran once, its blocks passed the gate, whose backward has not
+        run yet). On the CPU a scatter is waited for at once: the gloo threads that would run
+        it meanwhile share the cores with the backward (no faster, measured), and its input
+        would stay alive through the next unit's backward (a whole unit's gradient more)."""
         if not (self.prefetch and self.gated and self.units[u].calls == 1):
-            return False
+            return None
+        stream = self.side("scatter", device)
+        return stream if stream.active else None
+
+    def defer(self, u: int, pending: PendingScatter) -> None:
+        """Keep unit ``u``'s scatter in flight; wait for the other units' first (one unit's
+        in flight at a time)."""
         with _quiet():
             for v, other in self.scatters:
                 if v != u:
                     other.wait()
         self.scatters = [(v, s) for v, s in self.scatters if v == u]
         self.scatters.append((u, pending))
-        return True
 
     def finish(self) -> None:
         """The end of the backward: every scatter waited for, every stale gather dropped. No
@@ -152,15 +172,19 @@ class UnitSlot:
     """Unit ``u``'s place in ``schedule``, as its gather sees it (:class:`~pshard._collectives.
     cast_gather.Slot`)."""
 
-    def __init__(self, schedule: UnitSchedule, u: int) -> None:
+    def __init__(self, schedule: UnitSchedule, u: int, device: torch.device) -> None:
         self.schedule = schedule
         self.u = u
+        self.device = device
 
     def take(self, blocks: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         return self.schedule.take(self.u, blocks)
 
-    def defer(self, pending: PendingScatter) -> bool:
-        return self.schedule.defer(self.u, pending)
+    def defers(self) -> SideStream | None:
+        return self.schedule.defers(self.u, self.device)
+
+    def defer(self, pending: PendingScatter) -> None:
+        self.schedule.defer(self.u, pending)
 
 
 def _views(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
