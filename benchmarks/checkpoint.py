@@ -10,7 +10,10 @@ step count and the RNG state. On 4 gloo ranks (one ``ps.spawn``), median of ``--
   previous checkpoint (the switch deletes it);
 - ``async``: the time ``ps.save(..., async_save=True)`` takes to return (the copy of the blocks
   to CPU memory) and to finish;
-- ``ps.load`` / ``dcp.load``: the same layout back (into new blocks / into DTensors in place).
+- ``ps.load`` / ``dcp.load``: the same layout back (into new blocks / into DTensors in place);
+  ``unverified``: ``ps.load(..., verify=False)``, without the chunks' checksums; their cost is
+  the difference (the files are in the page cache: every load reads them again), beside the
+  time ``zlib.crc32`` takes over one rank's file.
 
 Then on 2 ranks, the checkpoint read as ``P("dp")`` (each rank's rows) and as ``P(None, "dp")``
 (each rank's columns cross every saved row block): the bytes of the saved chunks each rank's
@@ -26,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +102,43 @@ def save_load(root: str, width: int, layers: int, reps: int) -> dict[str, float]
         dist.barrier()
         totals.append(time.perf_counter() - start)
     out["async call"], out["async done"] = statistics.median(calls), statistics.median(totals)
-    out["ps.load"] = _timed(lambda rep: load(f"{root}/ps0", state), reps)
+    # verified and unverified loads taken in turns, so that a busy machine slows both alike
+    verified, unverified = [], []
+    for _ in range(reps):
+        verified.append(_timed(lambda rep: load(f"{root}/ps0", state), 1))
+        unverified.append(_timed(lambda rep: load(f"{root}/ps0", state, verify=False), 1))
+    out["ps.load"], out["unverified"] = statistics.median(verified), statistics.median(unverified)
+    data = Path(f"{root}/ps0/__{rank}_0.distcp").read_bytes()
+    out["crc32"] = _timed(lambda rep: zlib.crc32(data), reps)
     out["dcp.load"] = _timed(lambda rep: dcp.load(dtensors, checkpoint_id=f"{root}/dcp0"), reps)
+    out.update(_always_checked(root, state["params"], reps))
+    return out
+
+
+def _always_checked(root: str, params: dict[str, Any], reps: int) -> dict[str, float]:
+    """The checks that are always on, each beside the call it is part of: ps.shard (a digest
+    of each whole value, one all-gather), ps.from_local (global shapes, one all-gather) and a
+    save of replicated parameters (a digest of each copy)."""
+    import pshard as ps
+    from pshard._core.tree import tree_flatten_with_path
+    from pshard._shard_map.mesh_view import MeshView
+    from pshard._shard_map.replicas import check_whole_values, tensor_digest
+    from pshard._state.save import save
+
+    whole = ps.gather(params)  # every rank: the whole parameters
+    paths, leaves, _ = tree_flatten_with_path(whole)
+    view = MeshView(ps.current_mesh(), None, "shard")
+    blocks = {k: p.local for k, p in params.items()}
+    shapes = {k: tuple(p.shape) for k, p in params.items()}
+    replicated = ps.shard(whole, ps.P())
+    out: dict[str, float] = {}
+    out["ps.shard"] = _timed(lambda rep: ps.shard(whole, ps.P("dp")), reps)
+    out["shard check"] = _timed(lambda rep: check_whole_values(paths, leaves, view), reps)
+    out["from_local"] = _timed(
+        lambda rep: ps.from_local(blocks, ps.P("dp"), global_shapes=shapes), reps
+    )
+    out["save replicated"] = _timed(lambda rep: save(f"{root}/rep{rep}", replicated), reps)
+    out["copies"] = _timed(lambda rep: [tensor_digest(x) for x in leaves], reps)
     return out
 
 
@@ -161,8 +200,26 @@ def main() -> None:
         rows = ps.spawn(save_load, root, args.width, args.layers, args.reps, nprocs=4)
         print(f"4 ranks, P('dp'); seconds (median of {args.reps}), slowest rank:")
         keys = ("ps.save", "dcp.save", "ps.save over", "async call", "async done")
-        for key in (*keys, "ps.load", "dcp.load"):
+        for key in (*keys, "ps.load", "unverified", "dcp.load"):
             print(f"  {key:<12} {max(r[key] for r in rows):8.3f}")
+        verified = max(r["ps.load"] for r in rows)
+        checks = verified - max(r["unverified"] for r in rows)
+        crc = max(r["crc32"] for r in rows)
+        print(
+            f"  checksums: {checks:.3f} s of a {verified:.3f} s load ({checks / verified:.0%}); "
+            f"the CRC-32 of a rank's file alone {crc:.3f} s ({crc / verified:.0%})"
+        )
+        slowest = {k: max(r[k] for r in rows) for k in rows[0]}
+        print("always-on checks (slowest rank), the parameters only:")
+        print(
+            f"  ps.shard          {slowest['ps.shard']:8.3f}  (its check of the whole values "
+            f"{slowest['shard check']:.3f})"
+        )
+        print(f"  ps.from_local     {slowest['from_local']:8.3f}  (global shapes exchanged)")
+        print(
+            f"  ps.save, P()      {slowest['save replicated']:8.3f}  (the digests of the copies "
+            f"{slowest['copies']:.3f})"
+        )
         written = [r["bytes"] / 2**20 for r in rows]
         print(f"  written per rank: {', '.join(f'{b:.1f}' for b in written)} MiB")
         plans = ps.spawn(read_plan, root, args.width, args.layers, nprocs=2)

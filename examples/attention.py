@@ -57,6 +57,12 @@ def rank_main(params: dict, x: torch.Tensor, cotangent: torch.Tensor) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "threads"),
+        default="gloo",
+        help="ranks as processes or threads",
+    )
     args = parser.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -73,7 +79,7 @@ def main() -> None:
     y, vjp = torch.func.vjp(reference, params, x)
     ref = (y, *vjp(cotangent))
 
-    results = ps.spawn(rank_main, params, x, cotangent, nprocs=args.nprocs)
+    results = ps.spawn(rank_main, params, x, cotangent, nprocs=args.nprocs, backend=args.backend)
     print(f"{args.nprocs} ranks, {S} tokens (zigzag layout), {HEADS} heads, causal, float64")
     print(f"  {'attention':<10}{'rank':<6}{'output':<12}{'d params':<12}d input")
     worst = 0.0

@@ -2,6 +2,8 @@
 
     python examples/functional_llama.py                        # 4 gloo ranks, then 2 to resume
     python examples/functional_llama.py --resume-mesh dp=2,sp=1 --attention ring
+    python examples/functional_llama.py --mesh dp=2,tp=2       # FSDP x tensor parallelism
+    python examples/functional_llama.py --mesh dp=2,tp=2,sp=2  # 8 ranks: dp x tp x sp
 
 A tiny random ``LlamaForCausalLM`` (built from a config: nothing is downloaded; float64) is
 trained on 4 CPU ranks as the mesh ``{"dp": 2, "sp": 2}``. One step is::
@@ -22,6 +24,10 @@ trained on 4 CPU ranks as the mesh ``{"dp": 2, "sp": 2}``. One step is::
   layer runs and again in the backward, and reduce-scatters their gradients into blocks;
 - ``ps.sequence_parallel`` splits every row's tokens over the ``"sp"`` ranks and plugs Ulysses
   (or ring) attention into the model;
+- with ``--mesh dp=2,tp=2`` (or ``dp=2,tp=2,sp=2``) the layers are also split over ``"tp"``
+  by ``ps.tensor_parallel`` (Megatron tensor parallelism; the parameters split over ``"dp"``
+  and ``"tp"``, ``sharded_call`` gathering only over ``"dp"``) and the loss is computed on the
+  vocabulary split over ``"tp"`` (``ps.cross_entropy``);
 - the model's gradient checkpointing is pointed at ``ps.checkpoint``: every decoder layer is
   recomputed in the backward, under ``torch.func.grad``;
 - ``ps.pmap_microbatch`` accumulates the gradients of ``--microbatches`` microbatches;
@@ -39,7 +45,9 @@ See docs/functional_llama.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import math
 import os
 import tempfile
 import warnings
@@ -120,10 +128,27 @@ def targets(b: dict[str, torch.Tensor]) -> torch.Tensor:
     return (b["labels"][:, 1:] != -100).sum()
 
 
-def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor, axis: str | None = None) -> torch.Tensor:
     """The next-token cross-entropy summed over the targets, in float64 (the model's own
-    ``loss`` is computed in float32)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+    ``loss`` is computed in float32); with ``axis``, on logits whose vocabulary is split over
+    it."""
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return ps.cross_entropy(logits, shifted, axis=axis, reduction="sum")
+
+
+def param_specs(model: torch.nn.Module, tp: bool) -> P | dict[str, P]:
+    """How the parameters are held: split over "dp" (FSDP), and with ``tp`` split over "tp" as
+    ``ps.tensor_parallel_specs`` says, "dp" then splitting dim 0 further (after "tp" where "tp"
+    splits it: ``sharded_call`` inside ``tensor_parallel`` gathers over "dp" only)."""
+    if not tp:
+        return P("dp")
+    out = {}
+    for name, spec in ps.tensor_parallel_specs(model, axis="tp").items():
+        entries = list(spec) or [None]
+        first = entries[0]
+        entries[0] = "dp" if first is None else (first, "dp")
+        out[name] = P(*entries)
+    return out
 
 
 # ----------------------------------------------------------------------------- AdamW on a tree
@@ -144,19 +169,33 @@ def adamw(state: dict, grads: dict) -> dict:
 # ----------------------------------------------------------------------------- one rank
 def make_step(model: torch.nn.Module, args: argparse.Namespace) -> Step:
     """One training step, ``(state, batch) -> (next state, loss)``, on the current mesh."""
+    axes = ps.current_mesh().mesh_dim_names or ()
+    tp, sp = "tp" in axes, "sp" in axes
+    specs = param_specs(model, tp)
 
     def rows_loss(params: dict, rows: dict, count: torch.Tensor) -> torch.Tensor:
-        """Inside the map over "dp": this rank's blocks of the parameters and its rows of the
-        microbatch; ``count``: the targets of the whole batch (every microbatch and row)."""
+        """Inside the map over "dp" (and "tp"): this rank's blocks of the parameters and its
+        rows of the microbatch; ``count``: the targets of the whole batch (every microbatch
+        and row)."""
         inputs = {k: v for k, v in rows.items() if k != "labels"}
-        with ps.sequence_parallel(model, axis="sp", attention=args.attention, layout=args.layout):
+        with contextlib.ExitStack() as stack:
+            if tp:  # the layers split over "tp", the logits split over the vocabulary
+                stack.enter_context(ps.tensor_parallel(model, axis="tp", loss_parallel=True))
+            if sp:
+                stack.enter_context(ps.sequence_parallel(
+                    model, axis="sp", attention=args.attention, layout=args.layout
+                ))  # fmt: skip
             # each decoder layer gathers its weights over "dp" right before it runs; the
             # logits come back whole (each "sp" rank's backward takes its tokens' part)
-            out = ps.sharded_call(model, params, (), {**inputs, "use_cache": False}, specs=P("dp"))
-        return ps.psum(loss_sum(out.logits, rows["labels"]), "dp") / count
+            out = ps.sharded_call(model, params, (), {**inputs, "use_cache": False}, specs=specs)
+        part = loss_sum(out.logits, rows["labels"], "tp" if tp else None)
+        return ps.psum(part, "dp") / count
 
     loss = ps.shard_map(
-        rows_loss, in_specs=(P("dp"), P("dp"), None), out_specs=P(), axis_names="dp"
+        rows_loss,
+        in_specs=(specs, P("dp"), None),
+        out_specs=P(),
+        axis_names=("dp", "tp") if tp else "dp",
     )
     accumulate = ps.pmap_microbatch(
         torch.func.grad_and_value(loss),
@@ -167,8 +206,8 @@ def make_step(model: torch.nn.Module, args: argparse.Namespace) -> Step:
 
     def step(state: dict, b: dict) -> tuple[dict, float]:
         grads, value = accumulate(state["params"], b, targets(b))
-        # each "sp" rank holds its tokens' share of every gradient block: sum them
-        grads = optree.tree_map(lambda g: ps.psum(g, "sp"), grads)
+        if sp:  # each "sp" rank holds its tokens' share of every gradient block: sum them
+            grads = optree.tree_map(lambda g: ps.psum(g, "sp"), grads)
         return adamw(state, grads), value.item()
 
     return step
@@ -188,16 +227,18 @@ def train(
 
 
 def first_run(args: argparse.Namespace) -> tuple[list[float], list[float], tuple[int, int]]:
-    """4 ranks as 2 x 2: train, saving after ``--save-at`` steps; then load that checkpoint
-    and run the last steps again."""
-    ps.init_mesh({"dp": 2, "sp": 2})
+    """``--mesh`` (4 ranks as 2 x 2 by default): train, saving after ``--save-at`` steps; then
+    load that checkpoint and run the last steps again."""
+    ps.init_mesh(args.mesh)
     warnings.simplefilter("ignore")  # transformers' notes about configs
     whole = {k: v.detach() for k, v in initial_model().named_parameters()}
-    params = ps.shard(whole, P("dp"))  # this rank's half of every tensor (owned copies)
+    model = skeleton()
+    # this rank's block of every tensor (owned copies): over "dp", and "tp" with --mesh ...,tp=2
+    params = ps.shard(whole, param_specs(model, "tp" in args.mesh))
     del whole
     zeros = optree.tree_map(torch.zeros_like, params)
     state = {"params": params, "m": zeros, "v": zeros, "step": 0}
-    step = make_step(skeleton(), args)
+    step = make_step(model, args)
     state, losses = train(step, state, args.steps, save=(args.path, args.save_at))
     held = (
         sum(p.local.numel() for p in state["params"].values()),
@@ -243,10 +284,19 @@ def reference(steps: int) -> list[float]:
 
 
 def mesh_arg(text: str) -> dict[str, int]:
+    """``dp=2,sp=1`` -> ``{"dp": 2, "sp": 1}`` (the resumed run's mesh: dp and sp)."""
     sizes = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
     if not set(sizes) <= {"dp", "sp"}:
         raise argparse.ArgumentTypeError(f"axes are dp and sp, got {text!r}")
     return {"dp": sizes.get("dp", 1), "sp": sizes.get("sp", 1)}
+
+
+def first_mesh_arg(text: str) -> dict[str, int]:
+    """``dp=2,tp=2`` -> ``{"dp": 2, "tp": 2}``: dp, and sp and/or tp, in the order given."""
+    sizes = {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+    if "dp" not in sizes or not set(sizes) <= {"dp", "sp", "tp"} or len(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"axes are dp and sp and/or tp, got {text!r}")
+    return sizes
 
 
 def main() -> None:
@@ -257,6 +307,9 @@ def main() -> None:
     parser.add_argument("--attention", choices=("ulysses", "ring"), default="ulysses")
     parser.add_argument("--layout", choices=("contiguous", "zigzag", "stripe"), default="zigzag")
     parser.add_argument(
+        "--mesh", type=first_mesh_arg, default="dp=2,sp=2", help="e.g. dp=2,tp=2 or dp=2,tp=2,sp=2"
+    )
+    parser.add_argument(
         "--resume-mesh", type=mesh_arg, default="dp=1,sp=2", help="e.g. dp=1,sp=2 or dp=2,sp=1"
     )
     args = parser.parse_args()
@@ -265,24 +318,30 @@ def main() -> None:
     resume = args.resume_mesh
     with tempfile.TemporaryDirectory() as tmp:
         args.path = os.path.join(tmp, f"step-{args.save_at}")
-        (losses, again, (held, whole)), *_ = ps.spawn(first_run, args, nprocs=4)
+        nprocs = math.prod(args.mesh.values())
+        (losses, again, (held, whole)), *_ = ps.spawn(first_run, args, nprocs=nprocs)
         resumed = ps.spawn(resumed_run, args, nprocs=resume["dp"] * resume["sp"])[0]
     warnings.simplefilter("ignore")
     plain = reference(args.steps)
 
     where = ",".join(f"{k}={v}" for k, v in resume.items())
-    columns = ("2 x 2 mesh", "one process", "resumed on 2 x 2", f"resumed on {where}")
-    print(f"{'step':>4}" + "".join(f"{c:>21}" for c in columns))
+    mesh = " x ".join(f"{k}={v}" for k, v in args.mesh.items())
+    columns = (mesh, "one process", f"resumed on {mesh}", f"resumed on {where}")
+    width = max(21, *(len(c) + 2 for c in columns))
+    print(f"{'step':>4}" + "".join(f"{c:>{width}}" for c in columns))
     for i in range(args.steps):
         j = i - args.save_at
         row = [losses[i], plain[i], *((again[j], resumed[j]) if j >= 0 else ())]
-        print(f"{i + 1:>4}" + "".join(f"{x:21.12f}" for x in row))
+        print(f"{i + 1:>4}" + "".join(f"{x:{width}.12f}" for x in row))
     print(f"parameters held per rank between steps: {held} of {whole} (each AdamW moment too)")
     after = losses[args.save_at :]
+    # split layers sum their partial outputs in another order than one process, and Llama's
+    # RMSNorm rounds to float32: with "tp" the losses agree to float32's rounding
+    tol = 1e-6 if "tp" in args.mesh else 1e-10
     checks = [  # what, max difference, tolerance
-        ("2 x 2 mesh against one process", plain, losses, 1e-10),
+        (f"{mesh} against one process", plain, losses, tol),
         ("resumed on the same mesh against the run", after, again, 0.0),
-        (f"resumed on {where} against the run", after, resumed, 1e-10),
+        (f"resumed on {where} against the run", after, resumed, tol),
     ]
     failed = []
     for what, want, got, tol in checks:

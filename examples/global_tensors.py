@@ -104,9 +104,15 @@ def main(nprocs: int, steps: int) -> tuple[list[float], dict[str, int]]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=4, choices=(2, 4))
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "threads"),
+        default="gloo",
+        help="ranks as processes or threads",
+    )
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    results = ps.spawn(main, args.nprocs, args.steps, nprocs=args.nprocs)
+    results = ps.spawn(main, args.nprocs, args.steps, nprocs=args.nprocs, backend=args.backend)
     reference, whole = train(args.steps, sharded=False)
     whole_bytes = {k: _bytes(v) for k, v in whole.items()}
     print(f"{'step':>4} {'loss (sharded)':>16} {'loss (one process)':>19}")

@@ -114,12 +114,18 @@ def main(args: argparse.Namespace) -> list[tuple[float, float]]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "threads"),
+        default="gloo",
+        help="ranks as processes or threads",
+    )
     parser.add_argument("--attention", choices=["ulysses", "ring"], default="ulysses")
     parser.add_argument("--layout", choices=["contiguous", "zigzag", "stripe"], default="zigzag")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--checkpointing", action="store_true")
     args = parser.parse_args()
-    curves = ps.spawn(main, args, nprocs=args.nprocs)
+    curves = ps.spawn(main, args, nprocs=args.nprocs, backend=args.backend)
     print(f"{'step':>4} {'sequence-parallel':>18} {'one process':>12}")
     for step, (got, want) in enumerate(curves[0]):
         print(f"{step:>4} {got:18.6f} {want:12.6f}")

@@ -92,6 +92,12 @@ def rank_main(state: dict, batch: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "threads"),
+        default="gloo",
+        help="ranks as processes or threads",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -105,7 +111,9 @@ def main() -> None:
     loss.backward()
     ref = {n: p.grad for n, p in model.named_parameters()}
 
-    results = ps.spawn(rank_main, model.state_dict(), batch, nprocs=args.nprocs)
+    results = ps.spawn(
+        rank_main, model.state_dict(), batch, nprocs=args.nprocs, backend=args.backend
+    )
     worst = 0.0
     for rank, res in enumerate(results):
         diffs = {

@@ -1,5 +1,6 @@
 """pshard: JAX-style functional parallelism for PyTorch."""
 
+from . import optim as optim
 from ._collectives.functions import all_gather as all_gather
 from ._collectives.functions import all_to_all as all_to_all
 from ._collectives.functions import axis_index as axis_index
@@ -55,6 +56,7 @@ from ._shard_map.global_ops import shard as shard
 from ._shard_map.global_ops import to_dtensor as to_dtensor
 from ._shard_map.shard_map import shard_map as shard_map
 from ._shard_map.sharded_call import sharded_call as sharded_call
+from ._state.init import init_sharded as init_sharded
 from ._state.load import load as load
 from ._state.load import load_metadata as load_metadata
 from ._state.manifest import SavedObject as SavedObject
@@ -75,6 +77,10 @@ from .sequence._ring import ring_attention as ring_attention
 from .sequence._shard_map_seq import shard_map_seq as shard_map_seq
 from .sequence._ulysses import ulysses_attention as ulysses_attention
 from .sequence._usp import usp_attention as usp_attention
+from .tensor_parallel._api import tensor_parallel as tensor_parallel
+from .tensor_parallel._api import tensor_parallel_plan as tensor_parallel_plan
+from .tensor_parallel._api import tensor_parallel_specs as tensor_parallel_specs
+from .tensor_parallel._loss import cross_entropy as cross_entropy
 
 __all__ = [
     "CheckpointModule",
@@ -112,11 +118,13 @@ __all__ = [
     "global_shape_and_stride",
     "heads_to_seq",
     "infer_out_specs",
+    "init_sharded",
     "init_mesh",
     "local_indices",
     "local_shape_and_offset",
     "local_stride",
     "merge",
+    "optim",
     "P",
     "Partial",
     "Placement",
@@ -150,4 +158,8 @@ __all__ = [
     "ulysses_attention",
     "unshard_tensor",
     "use_mesh",
+    "cross_entropy",
+    "tensor_parallel",
+    "tensor_parallel_plan",
+    "tensor_parallel_specs",
 ]

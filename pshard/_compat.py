@@ -8,8 +8,10 @@ Imports torch only; every layer of pshard may import it.
 - functorch's state: :func:`transforms_active`, :func:`is_wrapped`, :func:`innermost`,
   :func:`unwrap_dead`, :func:`outside_transforms`;
 - the autograd engine: :func:`graph_task_id`, :func:`queue_backward_callback`;
-- private kernels and types: :func:`aten_op`, :func:`strided_shard_type`,
-  :func:`dcp_metadata_classes`;
+- private kernels and types: :func:`aten_op`, :func:`foreach` (torch's multi-tensor kernels),
+  :func:`strided_shard_type`, :func:`dcp_metadata_classes`;
+- tensors as objects: :func:`make_subclass` (a tensor viewed as a subclass),
+  :func:`storage_key` (which storage a tensor, its views and aliases share);
 - ``torch.distributed``'s registry: :func:`default_store`, :func:`resolve_group`,
   :func:`flattened_group`, :func:`group_count`;
 - symbolic tracing (batch-dim inference): :func:`fake_tensor_types`, :func:`constant_source`,
@@ -67,6 +69,7 @@ __all__ = [
     "fake_mode_active",
     "fake_tensor_types",
     "flattened_group",
+    "foreach",
     "forward_ad_active",
     "get_attr_key",
     "install_world_switch",
@@ -80,6 +83,7 @@ __all__ = [
     "new_c10d_world",
     "live_wrapper",
     "lowered",
+    "make_subclass",
     "outside_transforms",
     "queue_backward_callback",
     "register_backend",
@@ -88,6 +92,7 @@ __all__ = [
     "set_ad_state",
     "share_dual_level",
     "resolve_group",
+    "storage_key",
     "strided_shard_type",
     "thread_isolation",
     "top_transform",
@@ -151,6 +156,24 @@ def aten_op(name: str) -> Any:
     """The ``torch.ops.aten`` op ``name`` (a private kernel entry point), or ``None`` where
     this torch build lacks it."""
     return getattr(torch.ops.aten, name, None)
+
+
+def foreach(name: str) -> Callable[..., Any]:
+    """torch's multi-tensor kernel ``torch._foreach_<name>`` (what ``torch.optim``'s foreach
+    paths run: one call over a list of tensors of one device and dtype)."""
+    return cast(Callable[..., Any], getattr(torch, f"_foreach_{name}"))
+
+
+def make_subclass(cls: type[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an instance of the tensor subclass ``cls`` (the same storage; no grad)."""
+    return torch.Tensor._make_subclass(cls, t, False)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage, shared by its views and aliases (``.data``, ``detach``) and
+    distinct for separately made tensors, meta tensors included (whose data pointers are all
+    0); valid while the storage lives."""
+    return int(t.untyped_storage()._cdata)
 
 
 def strided_shard_type() -> Any:

@@ -1,4 +1,5 @@
-"""The examples run as they are (smoke tests: each checks its own numbers and exits non-zero)."""
+"""The examples run as they are (smoke tests: each checks its own numbers and exits non-zero);
+the quickstart once on gloo processes, the others with their ranks as threads."""
 
 import os
 import pathlib
@@ -8,19 +9,21 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# the ranks as threads of the example's process where processes are not what is tested
+THREADS = ["--backend", "threads"]
 
 
 @pytest.mark.parametrize(
     "script,args",
     [
-        ("quickstart.py", ["--nprocs", "2", "--steps", "3"]),
-        ("quickstart.py", ["--attention", "ring", "--microbatches", "3", "--steps", "2"]),
+        ("quickstart.py", ["--nprocs", "2", "--steps", "3"]),  # gloo processes, as users run it
+        ("quickstart.py", ["--attention", "ring", "--microbatches", "3", "--steps", "2", *THREADS]),
         ("layouts.py", []),
-        ("global_tensors.py", ["--nprocs", "2", "--steps", "3"]),
+        ("global_tensors.py", ["--nprocs", "2", "--steps", "3", *THREADS]),
         ("microbatch.py", []),
-        ("attention.py", ["--nprocs", "2"]),
-        ("module_hooks.py", ["--nprocs", "2"]),
-        ("hf_llama.py", ["--nprocs", "2", "--steps", "3", "--checkpointing"]),
+        ("attention.py", ["--nprocs", "2", *THREADS]),
+        ("module_hooks.py", ["--nprocs", "2", *THREADS]),
+        ("hf_llama.py", ["--nprocs", "2", "--steps", "3", "--checkpointing", *THREADS]),
         ("functional_llama.py", ["--steps", "2", "--save-at", "1", "--microbatches", "1"]),
     ],
 )

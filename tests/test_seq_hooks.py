@@ -15,15 +15,10 @@ from test_seq_model import forward, full_attention, init_params, make_batch, sp_
 from torch import nn
 
 import pshard as ps
+from pshard._modules.adapter import PreparedCall, register_adapter, registered_adapters
 from pshard.sequence._context import find_context
 from pshard.sequence._lm import NUM_ITEMS_IN_BATCH, SHIFT_LABELS
-from pshard.sequence.adapter import (
-    PreparedCall,
-    plugged_attention,
-    register_adapter,
-    registered_adapters,
-    run_attention,
-)
+from pshard.sequence.plug import plugged_attention, run_attention
 
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 
@@ -302,7 +297,7 @@ def _adapter_worker(n: int, attention: str) -> dict:
 
 @pytest.mark.parametrize("attention", ["ulysses", "ring"])
 def test_a_model_adapter_plugs_into_sequence_parallel(pool, attention: str) -> None:
-    """A model family described by an adapter written against pshard.sequence.adapter alone:
+    """A model family described by an adapter written against pshard._modules.adapter alone:
     its attention is swapped for the block, its loss shares are summed, and the model equals
     the plain one (logits, loss, gradients after reduce_gradients); restored on exit."""
     assert any(a.name == "toy (tests)" for a in registered_adapters())
@@ -317,15 +312,15 @@ def test_a_model_adapter_plugs_into_sequence_parallel(pool, attention: str) -> N
 
 def test_the_sequence_package_imports_no_integration() -> None:
     """The core defines the adapter protocol; integrations implement it: nothing under
-    pshard/sequence imports pshard.integrations (not even lazily), and the transformers
-    integration registers its adapter without importing transformers (optional)."""
+    pshard/sequence or pshard/_modules imports pshard.integrations (not even lazily), and the
+    transformers integration registers its adapter without importing transformers (optional)."""
     import ast
     import pathlib
     import subprocess
     import sys
 
     root = pathlib.Path(ps.__file__).parent
-    for path in sorted((root / "sequence").glob("*.py")):
+    for path in sorted([*(root / "sequence").glob("*.py"), *(root / "_modules").glob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 target = "." * node.level + (node.module or "")
@@ -337,7 +332,7 @@ def test_the_sequence_package_imports_no_integration() -> None:
     code = (
         "import sys; sys.modules['transformers'] = None\n"
         "import pshard.integrations.transformers\n"
-        "from pshard.sequence.adapter import registered_adapters\n"
+        "from pshard._modules.adapter import registered_adapters\n"
         "assert 'transformers' in [a.name for a in registered_adapters()]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

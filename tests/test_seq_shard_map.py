@@ -345,7 +345,7 @@ def test_contexts_recorded_for_a_backward_pass_end_with_it(fails: bool) -> None:
     """A context recorded for the backward pass is found during the pass, and gone with what it
     changed undone when the pass ends: after a pass that succeeds, and after one that raises
     (the engine runs no end-of-pass callbacks then)."""
-    from pshard.sequence import _context
+    from pshard._modules import passes
     from pshard.sequence._context import SeqContext, record_for_backward
 
     call = _Call()
@@ -375,5 +375,5 @@ def test_contexts_recorded_for_a_backward_pass_end_with_it(fails: bool) -> None:
     else:
         y.sum().backward()
     assert found == [True]  # during the pass
-    assert find_context("sp") is None and not _context._PASSES  # after it
+    assert find_context("sp") is None and not passes._PASSES  # after it
     assert (call.begun, call.undone) == (1, 1)

@@ -149,7 +149,11 @@ def _local_function_factory():
         ({"nprocs": 0}, ValueError, "spawn: nprocs must be an int >= 1, got 0"),
         ({"nprocs": 2.0}, ValueError, "spawn: nprocs must be an int >= 1, got 2.0"),
         ({"nprocs": 2, "timeout": 0}, ValueError, "spawn: timeout must be a number of seconds > 0"),
-        ({"nprocs": 2, "backend": "mpi"}, ValueError, "spawn: backend must be 'gloo', 'nccl' or 'threads'"),
+        (
+            {"nprocs": 2, "backend": "mpi"},
+            ValueError,
+            "spawn: backend must be 'gloo', 'nccl' or 'threads'",
+        ),
     ],
 )
 def test_argument_errors(kwargs, error, text):

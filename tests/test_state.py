@@ -401,7 +401,7 @@ def test_async_save_failure_is_in_the_future(tmp_path: Path, monkeypatch: Any) -
 
     path = _ckpt(tmp_path)
     save(path, {"t": torch.ones(3)})
-    monkeypatch.setattr(write._Writer, "write_data", broken)
+    monkeypatch.setattr(write.DCPWriter, "write_data", broken)
     fut = save(path, {"t": torch.zeros(3)}, async_save=True)
     assert fut is not None
     with pytest.raises(OSError, match="disk full"):

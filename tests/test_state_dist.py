@@ -24,6 +24,7 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import spied, spy
 from torch.func import grad
 
 import pshard as ps
@@ -138,23 +139,22 @@ def _save4_worker(path: str, async_path: str) -> int:
 
 
 class _Reads:
-    """Records the read items DCP plans on this rank (CheckpointReader.read_data)."""
+    """Records the read items DCP plans on this rank (CheckpointReader.read_data), under
+    :func:`_reads_spied` around the run."""
 
     def __enter__(self) -> list[Any]:
-        self.items: list[Any] = []
-        self._original = reader.CheckpointReader.read_data
-        items = self.items
-        original = self._original
-
-        def spy(this: Any, plan: Any, planner: Any) -> Any:
-            items.extend(plan.items)
-            return original(this, plan, planner)
-
-        reader.CheckpointReader.read_data = spy  # type: ignore[method-assign]
-        return self.items
+        return spied([])
 
     def __exit__(self, *exc: object) -> None:
-        reader.CheckpointReader.read_data = self._original  # type: ignore[method-assign]
+        spied(None)
+
+
+def _planned(items: list[Any], this: Any, plan: Any, planner: Any) -> None:
+    items.extend(plan.items)
+
+
+def _reads_spied() -> Any:
+    return spy(reader.CheckpointReader, "read_data", _planned)
 
 
 def _rows(chunks: Any) -> set[tuple[int, int]]:
@@ -189,7 +189,7 @@ def _load2_worker(path: str) -> int:
     md = reader.read_dcp_metadata(path)
     saved = md.state_dict_metadata["w"].chunks
     with _Reads() as items:
-        rows = load(path, {"w": ps.shard(torch.empty(10, 6, dtype=f64), P("tp"))}, partial=True)
+        rows = load(path, {"w": ps.shard(torch.zeros(10, 6, dtype=f64), P("tp"))}, partial=True)
     assert torch.equal(rows["w"].local, _block(wholes["w"], rows["w"]))
     mine = (0, 5) if rank == 0 else (5, 10)
     overlapping = {c for c in _rows(saved) if c[0] < mine[1] and mine[0] < c[1]}
@@ -213,7 +213,8 @@ def _load2_worker(path: str) -> int:
 def test_save_on_4_ranks_load_on_4_2_and_1(pool: Any, tmp_path: Path) -> None:
     path, async_path = str(tmp_path / "ckpt"), str(tmp_path / "async")
     assert pool.run(4, _save4_worker, path, async_path) == [1] * 4
-    assert pool.run(2, _load2_worker, path) == [1] * 2
+    with _reads_spied():
+        assert pool.run(2, _load2_worker, path) == [1] * 2
     # one process, no mesh: whole tensors
     wholes = _wholes()
     got = load(
@@ -235,73 +236,26 @@ def test_save_on_4_ranks_load_on_4_2_and_1(pool: Any, tmp_path: Path) -> None:
     ]
 
 
-def _mismatch_worker(path: str) -> list[str]:
+def _mismatch_worker(path: str) -> str:
     ps.init_mesh({"dp": 2})
     rank = dist.get_rank()
-    out = []
-    for debug, tree in (
-        (False, {"w": torch.ones(2 + rank), "step": rank}),
-        (True, {"w": torch.full((2,), float(rank)), "step": 1}),  # values: checked in debug mode
-    ):
-        with ps.debug(debug), pytest.raises(ValueError) as info:
-            save(path, tree)
-        out.append(str(info.value))
-    save(path, {"w": torch.full((2,), float(rank)), "step": 1})  # not checked: rank 0's is kept
-    assert not dist.get_rank() or torch.equal(
-        load(path, {"w": torch.ones(2), "step": 0})["w"], torch.zeros(2)
-    )
-    return out
-
-
-def test_ranks_passing_different_trees(pool: Any, tmp_path: Path) -> None:
-    messages = pool.run(2, _mismatch_worker, str(tmp_path / "ckpt"))
-    assert messages[0] == messages[1]
-    head = (
-        "save: the ranks pass different trees; every rank saves the same tree (its own blocks; "
-        "whole tensors and plain values, written once, equal on every rank):\n  "
-    )
-    assert messages[0][0] == head + (
-        "tree['step']: rank 0 has the int 0, rank 1 has the int 1\n  "
-        "tree['w']: rank 0 has a tensor (2,) float32, rank 1 has a tensor (3,) float32"
-    )
-    assert re.fullmatch(
-        re.escape(head + "tree['w']: rank 0 has a tensor (2,) float32 (sha256 ")
-        + "[0-9a-f]{12}"
-        + re.escape("), rank 1 has a tensor (2,) float32 (sha256 ")
-        + "[0-9a-f]{12}\\)",
-        messages[0][1],
-    )
-
-
-def _replicas_worker(path: str) -> list[str]:
-    grid = ps.init_mesh({"dp": 2, "tp": 2})
-    rank, dp = dist.get_rank(), grid.get_local_rank("dp")
-    b = ps.from_local(torch.ones(2), P(), global_shapes=(2,))
-    ok = ps.from_local(torch.full((1, 2), float(dp)), P("dp"), global_shapes=(2, 2))
-    # P("dp") replicates the block over "tp": ranks 2 and 3 hold (dp=1) but differ
-    bad = ps.from_local(ok.local + (rank == 3), P("dp"), global_shapes=(2, 2))
-    with ps.debug(True), pytest.raises(ValueError) as info:
-        save(path, {"b": b, "model": {"w": bad}})
-    save(path, {"b": b, "model": {"w": bad}})  # not checked outside debug mode
-    with ps.debug(True):
-        save(path, {"b": b, "model": {"w": ok}})  # blocks differ only over "dp", which splits it
-    back = load(path, {"b": b, "model": {"w": ps.shard(torch.zeros(2, 2), P())}})
-    assert torch.equal(back["model"]["w"].local, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    with pytest.raises(ValueError) as info:
+        save(path, {"w": torch.ones(2 + rank), "step": rank})
     return str(info.value)
 
 
-def test_debug_mode_checks_replicated_blocks(pool: Any, tmp_path: Path) -> None:
-    messages = pool.run(4, _replicas_worker, str(tmp_path / "ckpt"))
+def test_ranks_passing_different_trees(pool: Any, tmp_path: Path) -> None:
+    """(Whole tensors' values that differ: tests/test_state_checks.py.)"""
+    messages = pool.run(2, _mismatch_worker, str(tmp_path / "ckpt"))
     assert (
-        messages
-        == [
-            "save tree['model']['w']: debug mode: the GlobalTensor's spec P('dp', None) replicates "
-            "its block over mesh axes ('tp',) of mesh {'dp': 2, 'tp': 2}, but those ranks hold "
-            "different blocks; a checkpoint keeps one copy of a replicated block, so pass the same "
-            "block on each of them; global ranks holding equal values: [2] vs [3] (on ranks 2, "
-            "3 of 4)"
-        ]
-        * 4
+        messages[0]
+        == messages[1]
+        == (
+            "save: the ranks pass different trees; every rank saves the same tree (its own blocks; "
+            "whole tensors and plain values, written once, equal on every rank):\n  "
+            "tree['step']: rank 0 has the int 0, rank 1 has the int 1\n  "
+            "tree['w']: rank 0 has a tensor (2,) float32, rank 1 has a tensor (3,) float32"
+        )
     )
 
 
@@ -493,7 +447,7 @@ def _killed_worker(path: str) -> int:
     mesh = ps.init_mesh({"dp": 2})
     save(path, {"w": ps.shard(_whole(6, 3, seed=21), P("dp"), mesh=mesh), "step": 1})
     rank = dist.get_rank()
-    original = write._Writer.write_data
+    original = write.DCPWriter.write_data
 
     def dying(self: Any, plan: Any, planner: Any) -> Any:
         out = original(self, plan, planner)
@@ -503,11 +457,11 @@ def _killed_worker(path: str) -> int:
             os._exit(17)
         return out
 
-    write._Writer.write_data = dying  # type: ignore[method-assign]
+    write.DCPWriter.write_data = dying  # type: ignore[method-assign]
     try:
         save(path, {"w": ps.shard(_whole(6, 3, seed=22), P("dp"), mesh=mesh), "step": 2})
     finally:
-        write._Writer.write_data = original  # type: ignore[method-assign]
+        write.DCPWriter.write_data = original  # type: ignore[method-assign]
     return 1
 
 

@@ -380,3 +380,20 @@ def test_a_global_tensor_returned_is_refused_on_both_backends(procs):
         ps.spawn(_returns_a_global_tensor, nprocs=2, backend="threads")
     with pytest.raises(TypeError, match=re.escape(text)):
         procs.run(2, _returns_a_global_tensor)
+
+
+def _async_save_not_waited(path: str) -> int:
+    ps.init_mesh({"dp": 2})
+    ps.save(path, {"w": ps.shard(torch.arange(6.0), P("dp")), "step": 3}, async_save=True)
+    return dist.get_rank()  # returns at once: the save goes on in its own thread
+
+
+def test_an_async_save_is_a_thread_of_its_rank(tmp_path, capfd):
+    """The save's thread takes turns with the ranks, and a rank's world ends after it, as a
+    process waits for its threads: the checkpoint is whole and nothing is printed."""
+    path = str(tmp_path / "ckpt")
+    assert ps.spawn(_async_save_not_waited, path, nprocs=2, backend="threads") == [0, 1]
+    err = capfd.readouterr().err
+    assert "Exception" not in err and "Traceback" not in err, err
+    back = ps.load(path, {"w": torch.zeros(6), "step": 0})
+    assert back["step"] == 3 and torch.equal(back["w"], torch.arange(6.0))

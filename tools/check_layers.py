@@ -33,7 +33,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pshard._collectives",),
     ("pshard._remat",),
     ("pshard._shard_map",),
-    ("pshard._microbatch", "pshard.sequence", "pshard._state"),
+    ("pshard._modules",),
+    (
+        "pshard._microbatch",
+        "pshard.sequence",
+        "pshard._state",
+        "pshard.optim",
+        "pshard.tensor_parallel",
+    ),
     ("pshard.integrations",),
     ("pshard",),
 )

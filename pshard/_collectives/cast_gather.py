@@ -83,11 +83,14 @@ class Level:
 
 
 def block_levels(
-    whole: tuple[int, ...], splits: Sequence[tuple[Comm, Shard | StridedShard]]
+    whole: tuple[int, ...],
+    splits: Sequence[tuple[Comm, Shard | StridedShard]],
+    gathered: Sequence[bool] | None = None,
 ) -> tuple[tuple[int, ...], tuple[Level, ...]]:
     """This rank's block shape of a tensor of shape ``whole`` split by ``splits`` (each a
     resolved mesh axis and its placement, in the order they apply: ``torch.chunk``'s sizes),
-    and the levels that gather it back, innermost first (axes of size 1 need none).
+    and the levels that gather it back, innermost first (axes of size 1 need none; nor do the
+    splits whose ``gathered`` is false, which stay: they must apply first on their dim).
 
     Example:
         >>> from pshard._runtime.wire import Comm
@@ -105,7 +108,7 @@ def block_levels(
     levels = []
     for i in reversed(range(len(splits))):
         comm, p = splits[i]
-        if comm.size == 1:
+        if comm.size == 1 or (gathered is not None and not gathered[i]):
             continue
         d = p.dim
         length = sum(map(len, index_runs(whole, sizes[:i], coords[:i], places[:i])[d]))

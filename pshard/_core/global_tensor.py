@@ -40,7 +40,15 @@ from .._compat import get_attr_key, innermost, is_wrapped, register_torch_pytree
 from .caches import WeakCache
 from .layout import explicit_order
 from .layout_rules import index_runs
-from .placements import P, Placement, Replicate, Shard, StridedShard
+from .placements import (
+    P,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    entry_of,
+    entry_splits,
+)
 
 __all__ = [
     "GlobalMeta",
@@ -290,13 +298,14 @@ def full_spec(spec: P, ndim: int) -> P:
     return P(*spec, *([None] * (ndim - len(spec))))
 
 
-def applied_shards(spec: P) -> list[tuple[str, Shard]]:
+def applied_shards(spec: P) -> list[tuple[str, Shard | StridedShard]]:
     """``(axis, Shard(dim))`` for every axis ``spec`` names, in the order the splits apply
-    (within a dim, the first axis first; dims are independent)."""
-    out: list[tuple[str, Shard]] = []
+    (within a dim, the first axis first; dims are independent); ``StridedShard(dim, k)`` for
+    an axis after a number of parts ``k``."""
+    out: list[tuple[str, Shard | StridedShard]] = []
     for d, entry in enumerate(spec):
-        for name in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-            out.append((name, Shard(d)))
+        for name, parts in entry_splits(entry):
+            out.append((name, Shard(d) if parts == 1 else StridedShard(d, parts)))
     return out
 
 
@@ -318,8 +327,10 @@ def spec_placements(spec: P, key: MeshKey) -> tuple[Placement, ...]:
     """
     position = {name: i for i, name in enumerate(key.names)}
     out: list[Placement] = [Replicate()] * len(key.names)
+    if any(parts > 1 for e in spec for _, parts in entry_splits(e)):
+        return _strided_placements(spec, key)
     for d, entry in enumerate(spec):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        axes = tuple(name for name, _ in entry_splits(entry))
         for name in axes:
             if name not in position:
                 raise ValueError(
@@ -356,8 +367,43 @@ def spec_placements(spec: P, key: MeshKey) -> tuple[Placement, ...]:
 def _splitting(spec: P, key: MeshKey) -> tuple[tuple[str, ...], ...]:
     """``spec``'s entries without the mesh axes of size 1 (which split nothing)."""
     sizes = dict(zip(key.names, key.sizes, strict=True))
-    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
-    return tuple(tuple(a for a in e if sizes.get(a, 2) > 1) for e in entries)
+    return tuple(tuple(a for a, _ in entry_splits(e) if sizes.get(a, 2) > 1) for e in spec)
+
+
+def _strided_placements(spec: P, key: MeshKey) -> tuple[Placement, ...]:
+    """DTensor's placements for a spec with numbers of parts (strided splits): each axis
+    ``StridedShard(d, k)`` after ``k`` parts, checked to cut every block as the spec does."""
+    sizes = dict(zip(key.names, key.sizes, strict=True))
+    out: list[Placement] = [Replicate()] * len(key.names)
+    shape = []
+    for d, entry in enumerate(spec):
+        splits = entry_splits(entry)
+        for name, parts in splits:
+            if name not in sizes:
+                raise ValueError(
+                    f"{spec!r} names mesh axis {name!r}, which is not in the mesh "
+                    f"(axes {key.text()})"
+                )
+            if sizes[name] > 1:
+                out[key.names.index(name)] = Shard(d) if parts == 1 else StridedShard(d, parts)
+        shape.append(2 * math.prod(sizes[n] * k for n, k in splits))
+    placements = tuple(out)
+    pairs = applied_shards(spec)
+    for coord in itertools.product(*map(range, key.sizes)):
+        at = dict(zip(key.names, coord, strict=True))
+        mine = index_runs(
+            tuple(shape),
+            tuple(sizes[n] for n, _ in pairs),
+            tuple(at[n] for n, _ in pairs),
+            tuple(p for _, p in pairs),
+        )
+        if mine != index_runs(tuple(shape), key.sizes, coord, placements):
+            raise ValueError(
+                f"{spec!r} splits a dim in parts and by several mesh axes in an order that "
+                f"DTensor's placements cannot write (mesh {key.text()}); list the axes of a "
+                f"strided dim in mesh order"
+            )
+    return placements
 
 
 def placements_spec(
@@ -385,11 +431,21 @@ def placements_spec(
         for i, p in enumerate(placements):
             if isinstance(p, (Shard, StridedShard)) and not -ndim <= p.dim < ndim:
                 raise ValueError(f"placements[{i}] = {p!r} but the tensor has {ndim} dims")
-    entries: list[list[str]] = [[] for _ in range(ndim)]
-    for mesh_dim, p in explicit_order(key.sizes, normal):
+    # a strided shard that is the last split of its dim cuts it in parts (P's (k, axis)); the
+    # others are FSDP2's, completed by a later Shard of the dim (explicit_order)
+    parts = {
+        m: p.split_factor
+        for m, p in enumerate(normal)
+        if isinstance(p, StridedShard)
+        and not any(isinstance(q, Shard | StridedShard) and q.dim == p.dim for q in normal[m + 1 :])
+    }
+    plain = [Shard(p.dim) if m in parts and isinstance(p, StridedShard) else p
+             for m, p in enumerate(normal)]  # fmt: skip
+    splits: list[list[tuple[str, int]]] = [[] for _ in range(ndim)]
+    for mesh_dim, p in explicit_order(key.sizes, plain):
         if isinstance(p, Shard):
-            entries[p.dim].append(key.names[mesh_dim])
-    return P(*(tuple(e) if e else None for e in entries))
+            splits[p.dim].append((key.names[mesh_dim], parts.get(mesh_dim, 1)))
+    return P(*(entry_of(e) for e in splits))
 
 
 def block_runs(meta: GlobalMeta, coordinate: dict[str, int]) -> tuple[tuple[range, ...], ...]:

@@ -15,7 +15,7 @@ All are frozen, hashable, compare by value and print like their constructor call
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,8 @@ __all__ = [
     "Partial",
     "StridedShard",
     "P",
+    "entry_of",
+    "entry_splits",
     "to_torch_placement",
     "from_torch_placement",
 ]
@@ -151,6 +153,13 @@ class P:
     Trailing tensor dims without an entry are not split. Entries are stored normalised: a
     one-name tuple becomes the name, an empty tuple becomes ``None``.
 
+    **Strided splits.** An int ``k`` right before an axis name in a tuple entry cuts the dim
+    (what the axes before it left of it) into ``k`` equal parts first and splits every part over
+    that axis: each rank holds its piece of every part, in order. ``P(None, (3, "tp"))`` is the
+    layout of a fused q|k|v projection under tensor parallelism (each rank its share of q, of k
+    and of v), DTensor's ``_StridedShard(1, split_factor=3)``; ``P(("dp", 3, "tp"))`` splits
+    over ``"dp"`` first and that block strided over ``"tp"``.
+
     Example:
         >>> import pshard as ps
         >>> spec = ps.P("dp", None, ("sp", "tp"))
@@ -158,28 +167,27 @@ class P:
         P('dp', None, ('sp', 'tp'))
         >>> len(spec), spec[0], spec.axes
         (3, 'dp', ('dp', 'sp', 'tp'))
+        >>> ps.P(None, (3, "tp")).axes
+        ('tp',)
     """
 
     __slots__ = ("_entries",)
-    _entries: tuple[str | tuple[str, ...] | None, ...]
+    _entries: tuple[str | tuple[str | int, ...] | None, ...]
 
-    def __init__(self, *entries: str | tuple[str, ...] | None) -> None:
-        normalised: list[str | tuple[str, ...] | None] = []
+    def __init__(self, *entries: str | tuple[str | int, ...] | None) -> None:
+        normalised: list[str | tuple[str | int, ...] | None] = []
         seen: set[str] = set()
         for i, entry in enumerate(entries):
             if isinstance(entry, list):
                 entry = tuple(entry)
             if isinstance(entry, tuple):
-                if not all(isinstance(name, str) for name in entry):
-                    raise TypeError(f"P: entry {i} must hold mesh-axis names (str), got {entry!r}")
-                entry = None if not entry else entry[0] if len(entry) == 1 else entry
+                entry = entry_of(entry_splits(_strided_entry(i, entry)))
             elif entry is not None and not isinstance(entry, str):
                 raise TypeError(
                     f"P: entry {i} must be None, a mesh-axis name or a tuple of names, "
                     f"got {entry!r} ({type(entry).__name__})"
                 )
-            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            for name in names:
+            for name, _ in entry_splits(entry):
                 if name in seen:
                     raise ValueError(f"P{entries!r}: mesh axis {name!r} is used more than once")
                 seen.add(name)
@@ -192,19 +200,15 @@ class P:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every mesh-axis name used, in order of appearance."""
-        out: list[str] = []
-        for entry in self._entries:
-            if entry is not None:
-                out.extend((entry,) if isinstance(entry, str) else entry)
-        return tuple(out)
+        return tuple(name for entry in self._entries for name, _ in entry_splits(entry))
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __iter__(self) -> Iterator[str | tuple[str, ...] | None]:
+    def __iter__(self) -> Iterator[str | tuple[str | int, ...] | None]:
         return iter(self._entries)
 
-    def __getitem__(self, index: int) -> str | tuple[str, ...] | None:
+    def __getitem__(self, index: int) -> str | tuple[str | int, ...] | None:
         return self._entries[index]
 
     def __eq__(self, other: object) -> bool:
@@ -218,6 +222,64 @@ class P:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (P, self._entries)
+
+
+def _strided_entry(i: int, entry: tuple[Any, ...]) -> tuple[str | int, ...]:
+    """A tuple entry checked (names, each optionally after its number of parts) with parts of 1
+    dropped."""
+    out: list[str | int] = []
+    for j, item in enumerate(entry):
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise TypeError(
+                f"P: entry {i} must hold mesh-axis names (str), each optionally after an int "
+                f"number of parts, got {entry!r}"
+            )
+        if item < 1 or j + 1 == len(entry) or not isinstance(entry[j + 1], str):
+            raise ValueError(
+                f"P: entry {i} = {entry!r}: a number of parts must be an int >= 1 right before "
+                f"the mesh-axis name that splits every part, e.g. (3, 'tp')"
+            )
+        if item > 1:
+            out.append(item)
+    return tuple(out)
+
+
+def entry_splits(entry: str | tuple[str | int, ...] | None) -> tuple[tuple[str, int], ...]:
+    """The ``(axis name, parts)`` of one entry of a :class:`P`, in the order they split the dim
+    (``parts`` 1 for a plain split, ``k`` for a strided one).
+
+    Example:
+        >>> from pshard._core.placements import entry_splits
+        >>> entry_splits(("dp", 3, "tp"))
+        (('dp', 1), ('tp', 3))
+    """
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return ((entry, 1),)
+    out: list[tuple[str, int]] = []
+    parts = 1
+    for item in entry:
+        if isinstance(item, int):
+            parts = item
+        else:
+            out.append((item, parts))
+            parts = 1
+    return tuple(out)
+
+
+def entry_of(splits: Iterable[tuple[str, int]]) -> str | tuple[str | int, ...] | None:
+    """The entry of a :class:`P` made of ``(axis name, parts)`` splits (inverse of
+    :func:`entry_splits`)."""
+    items: list[str | int] = []
+    for name, parts in splits:
+        items.extend((parts, name) if parts > 1 else (name,))
+    if len(items) == 1 and isinstance(items[0], str):
+        return items[0]
+    return tuple(items) if items else None
 
 
 def to_torch_placement(p: Placement) -> TorchPlacement:

@@ -63,6 +63,7 @@ class Shared:
         self.keys: dict[str, bytes] = {}
         self.groups: dict[tuple[str, int], GroupState] = {}
         self.made: dict[tuple[int, str], int] = {}  # (global rank, name) -> groups made
+        self.store: ThreadStore | None = None  # the world's store, set by the world's runner
 
     def group(self, name: str, members: tuple[int, ...], me: int) -> GroupState:
         """Group ``name`` as rank ``me`` (global) makes it: its ``n``-th group of that name

@@ -17,6 +17,7 @@ thread is left running.
 from __future__ import annotations
 
 import contextvars
+import datetime
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from .rendezvous import Shared, ThreadStore
 from .transport import ThreadGroup
 from .turns import Rank, Stuck, Turns, current_task
 
-__all__ = ["current_rank", "run_threads"]
+__all__ = ["current_rank", "exchange_store", "run_threads"]
 
 # Seconds the ranks get to end after the caller gave up (its timeout), before it reports them.
 _END_WAIT_S = 5.0
@@ -50,6 +51,19 @@ def current_rank() -> Rank | None:
     """The in-process rank this code runs in, ``None`` in a process of its own."""
     task = current_task()
     return None if task is None else task.rank
+
+
+def exchange_store(file: str, name: str) -> dist.Store:
+    """A key-value store the ranks share that needs no process group (it outlives them): for
+    processes a ``FileStore`` at ``file`` (every rank opens it; the last to let go removes it),
+    for in-process ranks their world's own store under the prefix ``name`` (a wait in it gives
+    the turn away, where a file store's would hold it)."""
+    task = current_task()
+    if task is not None:
+        return dist.PrefixStore(name, task.rank.shared.store)
+    store = dist.FileStore(file, dist.get_world_size() if dist.is_initialized() else 1)
+    store.set_timeout(datetime.timedelta(minutes=30))
+    return store
 
 
 def _rank_world() -> Any:
@@ -111,7 +125,7 @@ def run_threads(
     ranks = [Rank(r, nprocs) for r in range(nprocs)]
     turns = Turns(ranks, f"{caller} (backend='threads')")
     shared = Shared(nprocs, turns)
-    store = ThreadStore(shared)
+    store = shared.store = ThreadStore(shared)  # kept alive by the world (C++ holds no Python ref)
     results: list[Any] = [None] * nprocs
     errors: dict[int, BaseException] = {}
     tasks = []

@@ -28,7 +28,7 @@ from .._core.global_tensor import (
     mesh_key,
 )
 from .._core.layout_rules import index_runs
-from .._core.placements import P, Placement, Replicate, Shard, StridedShard
+from .._core.placements import P, Placement, Replicate, Shard, StridedShard, entry_of, entry_splits
 from .._core.tree import describe
 from .._runtime.wire import all_gather
 from .boundary import BlockLayout, FromBlocks, ToBlock, shape_row, whole_shape
@@ -63,12 +63,7 @@ def as_spec(
 
 def _keep(spec: P, wanted: Any) -> P:
     """``spec`` with only the axes ``wanted(name)`` accepts."""
-    out = []
-    for entry in spec:
-        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        kept = tuple(n for n in names if wanted(n))
-        out.append(kept if kept else None)
-    return P(*out)
+    return P(*(entry_of((n, k) for n, k in entry_splits(e) if wanted(n)) for e in spec))
 
 
 def _split_dims(spec: P) -> set[int]:
@@ -133,7 +128,7 @@ def enter_global(
             f"{sorted(both)} over both mapped axes {view.mapped} and other axes {outer.axes}; "
             f"a nested map needs each dim split by one of them: ps.reshard it first"
         )
-    pairs = [(name, Shard(d)) for name, d in axes_of(mapped, where, view)]
+    pairs = axes_of(mapped, where, view)
     runs = index_runs(
         x.meta.shape,
         tuple(view.sizes[n] for n, _ in pairs),

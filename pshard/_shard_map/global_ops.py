@@ -49,6 +49,7 @@ from .._runtime.mesh import mesh_for
 from .._runtime.wire import Comm
 from .boundary import BlockLayout, FromBlocks, ToBlock, check_replicated, exchange_shapes
 from .mesh_view import MeshView, block_layout
+from .replicas import check_global_shapes, check_whole_values
 
 __all__ = [
     "block_plan",
@@ -158,8 +159,9 @@ def _shard_one(x: torch.Tensor, meta: GlobalMeta, view: MeshView, where: str) ->
 def shard(tree: Any, specs: Any, *, mesh: DeviceMesh | None = None) -> Any:
     """Whole values -> :class:`~pshard.GlobalTensor` s holding this rank's blocks.
 
-    Every rank passes the same whole values (checked in debug mode); each keeps only its
-    block, an owned copy (the whole value can be freed). Differentiable: the transpose gathers
+    Every rank passes the same whole values (always checked: a digest of each, compared in
+    one all-gather; every rank calls); each keeps only its block, an owned copy (the whole
+    value can be freed). Differentiable: the transpose gathers
     the blocks' cotangents (the gradient of a whole value from its blocks').
 
     Args:
@@ -181,6 +183,7 @@ def shard(tree: Any, specs: Any, *, mesh: DeviceMesh | None = None) -> Any:
     view = _view(m, fn)
     paths, leaves, treedef = tree_flatten_with_path(tree)
     flat = broadcast_prefix_flat(specs, treedef, leaves, name="specs", fn_name=fn)
+    check_whole_values(paths, leaves, view)
     out = []
     for path, x, s in zip(paths, leaves, flat, strict=True):
         where = keystr(path, "tree")
@@ -249,7 +252,8 @@ def from_local(
     Raises:
         ValueError: a block whose shape is not this rank's block of the global shape under its
             spec (the message names the key path, the shapes and this rank's coordinates), or
-            ranks that disagree on a global shape (checked in debug mode).
+            ranks that disagree on a global shape or spec (always checked, in one all-gather;
+            every rank calls).
 
     Example:
         >>> import torch, pshard as ps
@@ -264,7 +268,8 @@ def from_local(
     paths, leaves, treedef = tree_flatten_with_path(tree)
     flat = broadcast_prefix_flat(specs, treedef, leaves, name="specs", fn_name=fn)
     shapes = _shapes_flat(global_shapes, treedef, leaves, fn)
-    out = []
+    out: list[Any] = []
+    metas: list[tuple[str, GlobalMeta]] = []
     for path, x, s, whole in zip(paths, leaves, flat, shapes, strict=True):
         where = keystr(path, "tree")
         if not isinstance(x, torch.Tensor) or is_global(x):
@@ -283,15 +288,15 @@ def from_local(
                 f"{fn} {where}: global shape {whole} has {len(whole)} dims but the block has "
                 f"{x.ndim} (shape {tuple(x.shape)})"
             )
-        meta = GlobalMeta(spec, key, whole, m)
-        check_block(x, meta, view, fn, where)
-        if view.debug and view.all is not None:
-            check_replicated(
-                torch.tensor(whole, dtype=torch.int64, device=x.device),
-                view.all,
-                f"{fn} {where}: the ranks disagree on the global shape (this rank: {whole})",
-            )
-        out.append(GlobalTensor(x, meta))
+        metas.append((where, GlobalMeta(spec, key, whole, m)))
+        out.append(x)
+    check_global_shapes(metas, view)
+    given = iter(metas)
+    for i, x in enumerate(out):
+        if isinstance(x, torch.Tensor) and not is_global(x):
+            where, meta = next(given)
+            check_block(x, meta, view, fn, where)
+            out[i] = GlobalTensor(x, meta)
     return tree_unflatten(treedef, out)
 
 

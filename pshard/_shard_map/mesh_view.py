@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._core.placements import P, Placement, Shard, StridedShard
+from .._core.placements import P, Placement, Shard, StridedShard, entry_splits
 from .._runtime.debug import debug_enabled
 from .._runtime.mesh import resolve_axis
 from .._runtime.wire import Comm
@@ -70,11 +70,12 @@ class MeshView:
         return repr(tuple(axes))
 
 
-def axes_of(spec: P, where: str, view: MeshView) -> list[tuple[str, int]]:
-    """``(axis, tensor dim)`` for each axis a ``P`` names, checked against the mapped axes."""
-    out = []
+def axes_of(spec: P, where: str, view: MeshView) -> list[tuple[str, Shard | StridedShard]]:
+    """``(axis, Shard(dim))`` for each axis a ``P`` names (``StridedShard(dim, k)`` after a
+    number of parts ``k``), in the order they split, checked against the mapped axes."""
+    out: list[tuple[str, Shard | StridedShard]] = []
     for d, entry in enumerate(spec):
-        for name in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+        for name, parts in entry_splits(entry):
             if name not in view.sizes:
                 raise ValueError(
                     f"{view.fn} {where}: {spec!r} names mesh axis {name!r}, which is not in the "
@@ -88,7 +89,7 @@ def axes_of(spec: P, where: str, view: MeshView) -> list[tuple[str, int]]:
                     f"axis_names, or leave it out of the spec (unmapped axes are left to the "
                     f"caller)"
                 )
-            out.append((name, d))
+            out.append((name, Shard(d) if parts == 1 else StridedShard(d, parts)))
     return out
 
 
@@ -100,7 +101,7 @@ def block_layout(
     cotangent is not summed over the axes it is replicated on (global tensors outside a map)."""
     pairs: list[tuple[str, Shard | StridedShard]]
     if isinstance(spec, P):
-        pairs = [(name, Shard(d)) for name, d in axes_of(spec, where, view)]
+        pairs = axes_of(spec, where, view)
     elif isinstance(spec, (Shard, StridedShard)):
         placement = dataclasses.replace(spec, dim=spec.dim % ndim)
         pairs = [(name, placement) for name in view.mapped]

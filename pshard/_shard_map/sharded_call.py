@@ -32,8 +32,8 @@ import torch
 from .. import _compat as compat
 from .._collectives.apply import call
 from .._collectives.cast_gather import BlockPlan, UnitPlan, block_levels, cast_gather
-from .._core.global_tensor import is_global
-from .._core.placements import P, Replicate, Shard
+from .._core.global_tensor import applied_shards, is_global
+from .._core.placements import P, Replicate, Shard, StridedShard
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe, tree_flatten, tree_unflatten
 from .._remat.checkpoint import checkpoint
@@ -45,12 +45,18 @@ from .fsdp_policy import ShardedCallPolicy
 from .global_ops import block_plan
 from .unit_schedule import PreBackward, UnitSchedule, UnitSlot, gate
 
-__all__ = ["GATHER_NAME", "sharded_call"]
+__all__ = ["GATHER_NAME", "KEEP_SPLIT", "sharded_call"]
 
 _FN = "sharded_call"
 
 #: The :func:`pshard.checkpoint_name` of the weights a unit gathers (recomputed, not saved).
 GATHER_NAME = "pshard.sharded_call.gather"
+
+#: The mesh axes whose splits ``sharded_call`` keeps: inside ``ps.tensor_parallel(axis=a)``
+#: the blocks are gathered over every axis but ``a`` (and the layers compute on ``a``'s block).
+KEEP_SPLIT: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "pshard_sharded_call_keep", default=frozenset()
+)
 
 # the units whose own forward is running (their override calls through to it)
 _INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
@@ -106,16 +112,12 @@ def _owner(name: str, prefixes: list[str]) -> str | None:
     return None
 
 
-def _axes_of(spec: Any, name: str) -> list[tuple[str, int]]:
-    """``(axis, dim)`` pairs of a block's spec, in the order the splits apply."""
+def _axes_of(spec: Any, name: str) -> list[tuple[str, Shard | StridedShard]]:
+    """``(axis, placement)`` pairs of a block's spec, in the order the splits apply."""
     if spec is None or isinstance(spec, Replicate):
         return []
     if isinstance(spec, P):
-        out = []
-        for d, entry in enumerate(spec):
-            for a in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-                out.append((a, d))
-        return out
+        return applied_shards(spec)
     raise TypeError(
         f"{_FN} specs[{name!r}]: expected a P over the mesh axes, Replicate() or None as the "
         f"spec of a block, got {describe(spec)}"
@@ -125,22 +127,46 @@ def _axes_of(spec: Any, name: str) -> list[tuple[str, int]]:
 def _block_plan(name: str, value: Any, spec: Any, whole: tuple[int, ...]) -> BlockPlan:
     """How the value of ``params[name]`` becomes the whole parameter: a GlobalTensor over its
     own mesh (the transpose slices), a block inside a map over its spec's axes (the transpose
-    reduce-scatters; uneven blocks padded), a whole tensor as it is."""
+    reduce-scatters; uneven blocks padded; inside ``tensor_parallel`` the kept axes' splits
+    stay), a whole tensor as it is."""
     if is_global(value):
         return block_plan(value, f"params[{name!r}]", _FN)
     pairs = _axes_of(spec, name)
     if not pairs:
         return BlockPlan(whole, whole, ())
     mesh_for(_FN)  # the error names sharded_call when there is no mesh
-    splits = [(comm(axis, _FN), Shard(d)) for axis, d in pairs]
-    expected, levels = block_levels(whole, splits)
+    keep = KEEP_SPLIT.get()
+    splits = [(comm(axis, _FN), p) for axis, p in pairs]
+    expected, levels = block_levels(whole, splits, [axis not in keep for axis, _ in pairs])
     if tuple(value.shape) != expected:
         raise ValueError(
             f"{_FN} params[{name!r}]: the block has shape {tuple(value.shape)}, but {spec!r} "
             f"splits the module's parameter of shape {whole} so that this rank holds "
             f"{expected}; pass the block the map gave (its in_spec as specs[{name!r}])"
         )
-    return BlockPlan(expected, whole, levels)
+    _check_kept(pairs, keep, spec, name)
+    shape = list(expected)
+    for lv in levels:  # what the gathers leave: the whole, or the kept axes' block of it
+        shape[lv.dim] = lv.length
+    return BlockPlan(expected, tuple(shape), levels)
+
+
+def _check_kept(
+    pairs: list[tuple[str, Shard | StridedShard]], keep: frozenset[str], spec: Any, name: str
+) -> None:
+    """Inside ``tensor_parallel``: an axis whose split is kept must split its dim before
+    every axis that is gathered (the block is then the kept axis's block of the whole)."""
+    gathered: dict[int, str] = {}
+    for axis, p in pairs:
+        if axis not in keep:
+            gathered.setdefault(p.dim, axis)
+        elif p.dim in gathered:
+            raise ValueError(
+                f"{_FN} specs[{name!r}]: {spec!r} splits dim {p.dim} over {gathered[p.dim]!r} "
+                f"before {axis!r}, but inside ps.tensor_parallel(axis={axis!r}) the blocks are "
+                f"gathered over every axis but {axis!r}, which must split first; list "
+                f"{axis!r} first in that entry, or split the other axis on another dim"
+            )
 
 
 class _Gathered:
@@ -505,7 +531,7 @@ def _specs_by_name(params: Mapping[str, Any], specs: Any) -> dict[str, Any]:
 def _check_value(name: str, v: Any, spec: Any, whole: tuple[int, ...]) -> None:
     """A GlobalTensor of the parameter's shape, or a tensor of it (whole, no spec)."""
     if is_global(v):
-        if tuple(v.shape) != whole:
+        if tuple(v.shape) != whole and not KEEP_SPLIT.get():  # inside tensor_parallel: its block
             raise ValueError(
                 f"{_FN} params[{name!r}]: a GlobalTensor of shape {tuple(v.shape)}, but the "
                 f"module's parameter has shape {whole}"

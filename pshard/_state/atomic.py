@@ -35,10 +35,21 @@ import sys
 import uuid
 from pathlib import Path
 
+from .hf import HF_INDEX, hf_written_name, stale_sharded
 from .manifest import FORMAT, MANIFEST
 from .reader import DCP_METADATA, read_dcp_metadata
 
-__all__ = ["SaveLock", "aside_path", "check_target", "new_token", "remove_stale", "switch"]
+__all__ = [
+    "SaveLock",
+    "aside_path",
+    "check_target",
+    "check_writable",
+    "new_token",
+    "remove_stale",
+    "store_path",
+    "switch",
+    "writable_error",
+]
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -60,13 +71,19 @@ def aside_path(path: Path, token: str) -> Path:
     return path.parent / f".{path.name}.pshard-{token}"
 
 
+def store_path(aside: Path) -> Path:
+    """The file store of an async save's exchanges, beside its aside directory."""
+    return aside.with_name(f"{aside.name}-store")
+
+
 def _aside_pattern(path: Path) -> re.Pattern[str]:
-    return re.compile(rf"\.{re.escape(path.name)}\.pshard-[0-9a-f]{{32}}(-link|-probe[01])?")
+    return re.compile(rf"\.{re.escape(path.name)}\.pshard-[0-9a-f]{{32}}(-link|-probe[01]|-store)?")
 
 
 def _written_name(name: str) -> bool:
-    """Whether pshard or DCP's writer names a file in a checkpoint directory ``name``."""
-    return name in _WRITTEN or _DCP_DATA.fullmatch(name) is not None
+    """Whether pshard or DCP's writer names a file in a checkpoint directory ``name`` (a DCP
+    checkpoint's, or a Hugging Face one's that pshard writes)."""
+    return name in _WRITTEN or _DCP_DATA.fullmatch(name) is not None or hf_written_name(name)
 
 
 def _is_dcp_metadata(file: Path) -> bool:
@@ -85,6 +102,14 @@ def _is_manifest(file: Path) -> bool:
     return isinstance(data, dict) and data.get("format") == FORMAT
 
 
+def _is_hf_index(file: Path) -> bool:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("weight_map"), dict)
+
+
 def _written(entry: Path) -> bool:
     """Whether ``entry`` of a directory is a file pshard or DCP writes (``.metadata`` that
     parses as DCP's metadata, ``pshard.json`` that is a manifest)."""
@@ -94,6 +119,8 @@ def _written(entry: Path) -> bool:
         return _is_dcp_metadata(entry)
     if entry.name == MANIFEST:
         return _is_manifest(entry)
+    if entry.name == HF_INDEX:
+        return _is_hf_index(entry)
     return True
 
 
@@ -120,18 +147,50 @@ def check_target(path: Path, fn: str) -> None:
     foreign = sorted((e for e in path.iterdir() if not _written(e)), key=lambda e: e.name)
     if not foreign:
         return
-    metadata = path / DCP_METADATA
-    head = (
-        "holds a checkpoint and"
-        if metadata not in foreign and metadata.exists()
-        else f"is a directory that holds no checkpoint (no {DCP_METADATA} DCP wrote) and"
-    )
+    metadata, index = path / DCP_METADATA, path / HF_INDEX
+    if metadata not in foreign and metadata.exists():
+        head = "holds a checkpoint and"
+    elif index not in foreign and index.exists():
+        head = "holds a Hugging Face checkpoint and"
+    else:
+        head = f"is a directory that holds no checkpoint (no {DCP_METADATA} DCP wrote) and"
     raise ValueError(
         f"{fn}: {str(path)!r} {head} entries pshard did not write: {_listing(foreign)}; a save "
         f"replaces the whole directory and would delete them, so pshard writes only over an "
         f"empty directory or a checkpoint it or DCP wrote: save into a fresh directory or a "
         f"subdirectory, or move them away"
     )
+
+
+def writable_error(path: Path, fn: str) -> PermissionError:
+    """The error of a save that may not create files beside ``path``."""
+    return PermissionError(
+        errno.EACCES,
+        f"{fn}: cannot write a checkpoint at {str(path)!r}: this process may not create files in "
+        f"its directory {str(path.parent)!r} (a save writes the checkpoint beside the path, as "
+        f"'.{path.name}.pshard-<id>', then renames it to the path); make that directory "
+        f"writable, or save elsewhere",
+    )
+
+
+def check_writable(path: Path, fn: str) -> None:
+    """Raise unless this process may create ``path``'s parent (if missing) and files in it.
+
+    Raises:
+        PermissionError: it may not (``path`` and the directory named).
+    """
+    directory = path.parent
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    if not os.access(directory, os.W_OK | os.X_OK):
+        if directory != path.parent:
+            raise PermissionError(
+                errno.EACCES,
+                f"{fn}: cannot write a checkpoint at {str(path)!r}: its directory "
+                f"{str(path.parent)!r} does not exist and this process may not create it in "
+                f"{str(directory)!r}; make that directory writable, or save elsewhere",
+            )
+        raise writable_error(path, fn)
 
 
 class SaveLock:
@@ -179,6 +238,7 @@ def _remove(entry: Path) -> None:
     if entry.is_symlink() or not entry.is_dir():
         entry.unlink(missing_ok=True)
         return
+    stale_sharded(entry)  # a killed Hugging Face save's
     with contextlib.suppress(FileNotFoundError):
         for child in entry.iterdir():
             if _written_name(child.name) and child.is_file() and not child.is_symlink():

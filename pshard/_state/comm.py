@@ -1,9 +1,11 @@
 """The ranks' exchanges during a save: object collectives on one process group, or none.
 
 A save exchanges a few Python objects (DCP's plans and write results, each rank's account of
-the tree): :class:`GroupComm` does it over a process group (the default one for a blocking
-save, a group of its own for an async save, whose exchanges run in a background thread while
-the caller's collectives go on), :class:`LocalComm` for a process without a process group.
+the tree): :class:`GroupComm` does it over a process group (the default one, for a blocking
+save and for the call of an async save), :class:`StoreComm` through a file store beside the
+checkpoint (the background thread of an async save: no process group, so it finishes also
+after the caller destroyed its groups, and the caller's collectives go on meanwhile),
+:class:`LocalComm` for a process without a process group.
 
 :func:`agree` runs one step on every rank and makes a failure anywhere a failure everywhere: a
 rank that raised raises its own exception, the others a :class:`RuntimeError` naming it, so
@@ -15,12 +17,13 @@ message, which ends with the ranks that found it, ``(on rank 1 of 2)``, unless e
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["Comm", "GroupComm", "LocalComm", "agree", "default_comm"]
+__all__ = ["Comm", "GroupComm", "LocalComm", "StoreComm", "agree", "default_comm"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -49,19 +52,11 @@ class GroupComm:
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self._rank = dist.get_rank(group)
-        self._size = dist.get_world_size(group)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
+        self.rank: int = dist.get_rank(group)
+        self.size: int = dist.get_world_size(group)
 
     def gather(self, obj: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self._size if self._rank == 0 else None
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
         dist.gather_object(obj, out, group=self.group, group_dst=0)
         return out
 
@@ -69,6 +64,48 @@ class GroupComm:
         out: list[Any] = [None]
         dist.scatter_object_list(out, objs, group=self.group, group_src=0)
         return out[0]
+
+
+class StoreComm:
+    """:class:`Comm` through a key-value store the ranks share and no process group
+    (:func:`pshard._runtime.threads.exchange_store`: a file store beside the checkpoint, or
+    in-process ranks' own), so a background save goes on after the caller destroyed its
+    groups. A file store's file is removed once every rank's store is closed
+    (:meth:`close`)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
+        self._store: dist.Store | None = store
+        self.rank, self.size = rank, size
+        self._step = 0
+
+    def _store_open(self) -> dist.Store:
+        if self._store is None:
+            raise RuntimeError("the save's store is closed")
+        return self._store
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        store, step = self._store_open(), self._step
+        _put(store, f"gather/{step}/{self.rank}", obj)
+        if self.rank != 0:
+            return None
+        return [pickle.loads(store.get(f"gather/{step}/{r}")) for r in range(self.size)]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        store, step = self._store_open(), self._step
+        self._step += 1
+        if self.rank == 0:
+            assert objs is not None
+            for r, obj in enumerate(objs):
+                _put(store, f"scatter/{step}/{r}", obj)
+        return pickle.loads(store.get(f"scatter/{step}/{self.rank}"))
+
+    def close(self) -> None:
+        self._store = None  # the last rank's store to close removes the file
+
+
+def _put(store: dist.Store, key: str, obj: Any) -> None:
+    value: Any = pickle.dumps(obj)  # the store takes bytes (its stubs say str)
+    store.set(key, value)
 
 
 class LocalComm:

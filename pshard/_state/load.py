@@ -7,10 +7,12 @@ plain values themselves. ``load(path, like)`` matches ``like``'s leaves to the c
 key (key paths joined by ``"."``, DCP's names), checks every key, global shape and dtype first
 (one ``ValueError`` listing all that differ), then reads each tensor into the layout its
 ``like`` leaf asks for, through DCP's load planner with DTensor targets: each rank plans read
-items only for the saved chunks that overlap its own blocks and reads only those. No
-collective: each rank reads on its own (a layout DTensor cannot express, an uneven
-``StridedShard``, is read in its nearest expressible layout and moved with ``ps.reshard``,
-which communicates).
+items only for the saved chunks that overlap its own blocks and reads only those, each chunk
+checked (:mod:`pshard._state.read`: one whole checkpoint while saves switch ``path``, the
+checksums). Each rank reads on its own; the ranks that read parts of one ``GlobalTensor``
+exchange which save they opened and whether they read it (two all-gathers of a few integers),
+and a layout DTensor cannot express, an uneven ``StridedShard``, is read in its nearest
+expressible layout and moved with ``ps.reshard``, which communicates.
 """
 
 from __future__ import annotations
@@ -18,26 +20,27 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    TensorStorageMetadata,
-)
 
-from .._core.global_tensor import GlobalMeta, GlobalTensor, block_shape, is_global, mesh_key
+from .._core.global_tensor import (
+    GlobalMeta,
+    GlobalTensor,
+    MeshKey,
+    block_shape,
+    is_global,
+    mesh_key,
+)
 from .._core.tree import article, describe, keystr, tree_flatten_with_path, tree_unflatten
 from .._runtime.mesh import current_mesh
+from .._runtime.wire import Comm
 from .._shard_map.global_ops import from_dtensor, global_spec, reshard, to_dtensor
+from .._shard_map.mesh_view import MeshView
 from .manifest import (
-    MANIFEST,
     KeyPath,
     LeafRecord,
-    Manifest,
     SavedObject,
     SavedTensor,
     build_tree,
@@ -45,73 +48,11 @@ from .manifest import (
     fqn,
     key_path,
 )
-from .reader import CheckpointReader, read_dcp_metadata
+from .read import Checkpoint, open_checkpoint, read_checkpoint, reopened
 from .records import is_state_leaf, nearest_spec, target_path
 from .rng import RngState
 
-__all__ = ["load", "load_metadata", "read_into"]
-
-
-# --------------------------------------------------------------------------- the checkpoint
-
-
-@dataclasses.dataclass(frozen=True)
-class _Checkpoint:
-    """A checkpoint directory as read: the directory (symlinks resolved once, so a save that
-    switches meanwhile cannot mix two checkpoints), DCP's metadata, the manifest if pshard
-    wrote it, and a record per key."""
-
-    directory: Path
-    dcp: Metadata
-    manifest: Manifest | None
-    records: dict[str, LeafRecord]
-
-
-def _dcp_records(md: Metadata) -> dict[str, LeafRecord]:
-    out: dict[str, LeafRecord] = {}
-    for key, entry in md.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            shape = tuple(int(n) for n in entry.size)
-            out[key] = LeafRecord((key,), "tensor", shape, entry.properties.dtype)
-        else:
-            out[key] = LeafRecord((key,), "object")
-    return out
-
-
-def _open(path: Any, fn: str) -> _Checkpoint:
-    target = target_path(path, fn)
-    directory = Path(os.path.realpath(target))
-    if not (directory / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"{fn}: no checkpoint at {str(target)!r} (no DCP .metadata file there)"
-        )
-    md = read_dcp_metadata(directory)
-    manifest = None
-    if (directory / MANIFEST).is_file():
-        text = (directory / MANIFEST).read_text(encoding="utf-8")
-        manifest = Manifest.from_json(text, f"{fn}: {str(target / MANIFEST)!r}")
-    if manifest is None:
-        records = _dcp_records(md)
-    else:
-        records = {r.fqn: r for r in manifest.leaves}
-        _check_manifest(records, md, target, fn)
-    return _Checkpoint(directory, md, manifest, records)
-
-
-def _check_manifest(records: dict[str, LeafRecord], md: Metadata, target: Path, fn: str) -> None:
-    for key, r in records.items():
-        if r.kind not in ("global", "tensor"):
-            continue
-        entry = md.state_dict_metadata.get(key)
-        if (
-            not isinstance(entry, TensorStorageMetadata)
-            or tuple(entry.size) != r.shape
-            or entry.properties.dtype != r.dtype
-        ):
-            raise ValueError(
-                f"{fn}: the checkpoint at {str(target)!r} is inconsistent: its manifest has a "
-                f"tensor {key!r} that DCP's metadata does not hold as described"
-            )
+__all__ = ["load", "load_metadata"]
 
 
 def _world() -> tuple[int, int]:
@@ -132,10 +73,15 @@ def load_metadata(path: str | os.PathLike[str]) -> Any:
     Containers come back as dicts (namedtuples, dataclasses and Mappings as dicts of their
     fields), lists and tuples. A checkpoint DCP wrote without pshard comes back as nested
     dicts of its entries (``SavedTensor`` with ``spec=None``; a pickled object as
-    :class:`SavedObject`). The tree is a valid ``like`` for :func:`load`.
+    :class:`SavedObject`). A Hugging Face model directory (``model.safetensors``, or the
+    files ``model.safetensors.index.json`` names) comes back as a flat dict keyed by
+    state-dict names (``"model.embed_tokens.weight"``), each a ``SavedTensor`` with
+    ``spec=None``. The tree is a valid ``like`` for :func:`load`.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
+        FileNotFoundError: no checkpoint at ``path``; a checkpoint pshard wrote without its
+            manifest ``pshard.json``.
+        ValueError: a damaged or inconsistent checkpoint (named).
 
     Example:
         >>> import tempfile, torch, pshard as ps
@@ -147,7 +93,8 @@ def load_metadata(path: str | os.PathLike[str]) -> Any:
         (0.1, (4, 2), torch.float32, P('dp', None))
     """
     fn = "load_metadata"
-    ckpt = _open(path, fn)
+    target = target_path(path, fn)
+    ckpt: Checkpoint = reopened(target, fn, lambda opened: open_checkpoint(opened, target, fn))
     rank, world = _world()
     if ckpt.manifest is not None:
         entries = [r.entry(rank, world, fn) for r in ckpt.manifest.leaves]
@@ -180,6 +127,7 @@ class _Want:
     dtype: torch.dtype | None = None
     value_type: type | None = None
     prepare: Callable[[], _Prepared] | None = None
+    meta: GlobalMeta | None = None  # a global value's layout: the ranks that read parts of it
 
 
 def _device(like: torch.Tensor, meta: GlobalMeta | None) -> torch.device:
@@ -205,7 +153,7 @@ def _global_want(meta: GlobalMeta, dtype: torch.dtype, device: torch.device, out
 
         return to_dtensor(held), finish
 
-    return _Want("tensor", meta.shape, dtype, prepare=prepare)
+    return _Want("tensor", meta.shape, dtype, prepare=prepare, meta=meta)
 
 
 def _whole_want(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> _Want:
@@ -289,7 +237,7 @@ def _differs(r: LeafRecord, w: _Want) -> bool:
 
 
 def _check(
-    ckpt: _Checkpoint,
+    ckpt: Checkpoint,
     keys: list[tuple[str, KeyPath, str]],
     wants: list[_Want],
     partial: bool,
@@ -325,20 +273,23 @@ def _check(
     raise ValueError("\n  ".join(lines))
 
 
-def read_into(state_dict: dict[str, Any], directory: Path, md: Metadata) -> None:
-    """DCP's load protocol on this rank alone: plan read items for the chunks of each target
-    (DTensor or tensor, fqn -> target) that the checkpoint's saved chunks overlap, and read
-    them into the targets in place."""
-    reader = CheckpointReader(directory)
-    planner = DefaultLoadPlanner()
-    planner.set_up_planner(state_dict, md, is_coordinator=True)
-    reader.set_up_storage_reader(md, True, rank=0, use_collectives=True)
-    plan = reader.prepare_local_plan(planner.create_local_plan())
-    plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
-    reader.read_data(planner.finish_plan(plan), planner).wait()
+def _comms(wants: list[_Want], fn: str) -> list[Comm]:
+    """The groups of ranks that read parts of one value: all ranks of each mesh in ``like``
+    (none without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    out: dict[MeshKey, Comm] = {}
+    for w in wants:
+        if w.meta is not None and w.meta.key not in out:
+            c = MeshView(w.meta.mesh, None, fn).all
+            if c is not None:
+                out[w.meta.key] = c
+    return list(out.values())
 
 
-def load(path: str | os.PathLike[str], like: Any, *, partial: bool = False) -> Any:
+def load(
+    path: str | os.PathLike[str], like: Any, *, partial: bool = False, verify: bool = True
+) -> Any:
     """Read the checkpoint at ``path`` into the layout of ``like``.
 
     ``like`` is only read: its structure is the result's, and each leaf says what to read:
@@ -354,22 +305,35 @@ def load(path: str | os.PathLike[str], like: Any, *, partial: bool = False) -> A
       its own RNG state; with another world size, the state every rank saved).
 
     Leaves match the checkpoint's entries by key (key paths joined by ``"."``, DCP's names), so
-    a checkpoint DCP wrote (an FSDP2 ``model.state_dict()``) reads into ``GlobalTensor`` s too.
+    a checkpoint DCP wrote (an FSDP2 ``model.state_dict()``) reads into ``GlobalTensor`` s too,
+    and so does a Hugging Face model directory (keys: state-dict names; read with torch's
+    ``HuggingFaceStorageReader``, its files checked as long as their headers say; no
+    checksums, which safetensors does not carry).
     Each rank reads only the saved chunks that overlap its blocks; no collective, except
     ``ps.reshard`` for a layout DTensor cannot express (uneven ``StridedShard``), read in its
     nearest expressible layout and then moved.
 
     Args:
-        path: a checkpoint directory.
+        path: a checkpoint directory, or a Hugging Face model directory.
         like: the tree to read into.
         partial: read only the keys of ``like`` (a checkpoint may hold more).
+        verify: compare every chunk read with the checksum the save recorded (the bytes'
+            CRC-32, in the manifest); ``False`` skips it (a truncated file is still an error).
+
+    A save of ``path`` that switches while the load reads gives the load one whole
+    checkpoint, the previous or the new one, never parts of both (on every rank that reads a
+    part of one ``GlobalTensor``, the same one: they compare which save they opened).
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
+        FileNotFoundError: no checkpoint at ``path``, or a file of it missing (named).
         ValueError: keys of ``like`` missing from the checkpoint, keys of the checkpoint
             missing from ``like`` (unless ``partial``), or leaves whose global shape, dtype or
-            kind differ; one error lists every such key path.
+            kind differ (one error lists every such key path); a damaged checkpoint: a chunk
+            whose checksum differs from the one saved, or a truncated file (the file, the key
+            and the checkpoint named).
         TypeError: a leaf of ``like`` that names nothing to read.
+        RuntimeError: another rank reading the same values failed; saves replaced ``path``
+            again and again while the load read it.
 
     Example:
         >>> import tempfile, torch, pshard as ps
@@ -384,7 +348,9 @@ def load(path: str | os.PathLike[str], like: Any, *, partial: bool = False) -> A
     fn = "load"
     if not isinstance(partial, bool):
         raise TypeError(f"{fn}: partial must be a bool, got {describe(partial)}")
-    ckpt = _open(path, fn)
+    if not isinstance(verify, bool):
+        raise TypeError(f"{fn}: verify must be a bool, got {describe(verify)}")
+    target = target_path(path, fn)
     accessors, leaves, treedef = tree_flatten_with_path(
         like, is_leaf=is_state_leaf, none_is_leaf=True
     )
@@ -402,10 +368,17 @@ def load(path: str | os.PathLike[str], like: Any, *, partial: bool = False) -> A
         seen[key] = here
         keys.append((key, kp, here))
     wants = [_want(x, here, fn) for x, (_, _, here) in zip(leaves, keys, strict=True)]
-    _check(ckpt, keys, wants, partial, str(target_path(path, fn)), fn)
-    prepared = {key: w.prepare() for (key, _, _), w in zip(keys, wants, strict=True) if w.prepare}
-    if prepared:
-        read_into({key: p[0] for key, p in prepared.items()}, ckpt.directory, ckpt.dcp)
+    prepared: dict[str, _Prepared] = {}
+
+    def check(ckpt: Checkpoint) -> dict[str, Any]:
+        _check(ckpt, keys, wants, partial, str(target), fn)
+        if not prepared:  # allocated once, also when a save makes the load open path again
+            for (key, _, _), w in zip(keys, wants, strict=True):
+                if w.prepare is not None:
+                    prepared[key] = w.prepare()
+        return {key: p[0] for key, p in prepared.items()}
+
+    ckpt = read_checkpoint(target, fn, check, _comms(wants, fn), verify)
     rank, world = _world()
     out = []
     for (key, _, here), w in zip(keys, wants, strict=True):

@@ -4,7 +4,8 @@ DCP's files hold the tensors; beside them ``pshard.json`` (the *manifest*) holds
 not: the tree's structure (dicts, lists, tuples, ``None``; other containers as dicts of their
 fields), each leaf's key path, and per leaf either a tensor's global shape, dtype and layout
 (spec and mesh axes) or the value itself (ints, floats, strings, bools, ``None``, RNG states as
-base64 text). Nothing is pickled.
+base64 text), the save's id (which DCP's metadata names too) and the CRC-32 of every chunk DCP
+stored. Nothing is pickled.
 
 A leaf's DCP key (its *fqn*) is its key path joined by ``"."``, as DCP names the entries of a
 nested state dict: ``{"model": {"w": x}}`` -> ``"model.w"``, ``{"layers": [a, b]}`` ->
@@ -30,9 +31,12 @@ from .._core.tree import keystr
 from .rng import RngState
 
 __all__ = [
+    "CHECKSUM",
     "FORMAT",
     "MANIFEST",
+    "SAVE_ID_PREFIX",
     "VERSION",
+    "ChunkSum",
     "KeyPath",
     "LeafKind",
     "LeafRecord",
@@ -45,6 +49,7 @@ __all__ = [
     "encode_structure",
     "fqn",
     "key_path",
+    "save_id",
     "spec_from_json",
     "spec_to_json",
     "value_from_json",
@@ -192,23 +197,49 @@ class LeafRecord:
         )
 
 
+#: A saved chunk's checksum: its DCP key, its offsets in the global tensor and the CRC-32 of
+#: the bytes DCP stored for it (its ``torch.save`` record in the rank's ``.distcp`` file).
+ChunkSum = tuple[str, tuple[int, ...], int]
+
+#: The checksum the manifest's ``chunks`` hold (``zlib.crc32``).
+CHECKSUM = "crc32"
+
+
 @dataclasses.dataclass(frozen=True)
 class Manifest:
     """The manifest of a checkpoint: the world size it was saved on, the tree's structure
-    (:func:`encode_structure`) and the leaves in flatten order."""
+    (:func:`encode_structure`), the leaves in flatten order, the save's id (also in DCP's
+    metadata: the two files come from one save) and every saved chunk's checksum.
+
+    ``save_id`` is ``None`` and ``sums`` empty in checkpoints written before pshard recorded
+    them (they load unverified)."""
 
     world_size: int
     structure: Any
     leaves: tuple[LeafRecord, ...]
+    save_id: str | None = None
+    sums: tuple[ChunkSum, ...] = ()
 
     def to_json(self) -> str:
-        """The manifest as JSON text: one line per field, one per leaf."""
-        head = {"format": FORMAT, "version": VERSION, "world_size": self.world_size}
+        """The manifest as JSON text: one line per field, one per leaf and one per chunk."""
+        head: dict[str, Any] = {"format": FORMAT, "version": VERSION, "world_size": self.world_size}
+        if self.save_id is not None:
+            head["save_id"] = self.save_id
         lines = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in head.items()]
         lines.append(f'"tree": {json.dumps(self.structure, allow_nan=False)}')
         leaves = ",\n  ".join(json.dumps(leaf.to_json(), allow_nan=False) for leaf in self.leaves)
         lines.append(f'"leaves": [\n  {leaves}\n ]' if self.leaves else '"leaves": []')
+        if self.sums:
+            lines.append(f'"checksum": {json.dumps(CHECKSUM)}')
+            chunks = ",\n  ".join(
+                json.dumps([key, list(offsets), f"{crc:08x}"]) for key, offsets, crc in self.sums
+            )
+            lines.append(f'"chunks": [\n  {chunks}\n ]')
         return "{\n " + ",\n ".join(lines) + "\n}\n"
+
+    def checksums(self) -> dict[tuple[str, tuple[int, ...]], int]:
+        """``(key, chunk offsets) -> CRC-32`` of every saved chunk."""
+        return {(key, offsets): crc for key, offsets, crc in self.sums}
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Manifest:
@@ -226,9 +257,31 @@ class Manifest:
                     f"version {data.get('version')!r}; this pshard reads version {VERSION}"
                 )
             leaves = tuple(LeafRecord.from_json(leaf) for leaf in data["leaves"])
-            return cls(int(data["world_size"]), data["tree"], leaves)
+            save_id = data.get("save_id")
+            if save_id is not None and not isinstance(save_id, str):
+                raise ValueError(f"save_id {save_id!r} is not a str")
+            sums: tuple[ChunkSum, ...] = ()
+            if "chunks" in data:
+                if data.get("checksum") != CHECKSUM:
+                    raise ValueError(
+                        f"checksum {data.get('checksum')!r}; this pshard checks {CHECKSUM!r}"
+                    )
+                sums = tuple(
+                    (str(key), tuple(int(i) for i in offsets), int(crc, 16))
+                    for key, offsets, crc in data["chunks"]
+                )
+            return cls(int(data["world_size"]), data["tree"], leaves, save_id, sums)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{source}: not a pshard manifest ({type(e).__name__}: {e})") from None
+
+
+def save_id(token: str) -> str:
+    """The id a save names in DCP's metadata and in its manifest (``pshard-<token>``)."""
+    return f"{SAVE_ID_PREFIX}{token}"
+
+
+#: How the save ids pshard writes into DCP's metadata begin.
+SAVE_ID_PREFIX = "pshard-"
 
 
 # --------------------------------------------------------------------------- keys

@@ -4,11 +4,12 @@
 ``GlobalTensor``'s layout, a tensor's shape and dtype, a plain value, an RNG state) or refuses
 it with the key path named; a DTensor is read as the ``GlobalTensor`` of ``ps.from_dtensor``.
 Before anything is written each rank proposes what it saves (:class:`Proposal`: the path, the
-structure, every leaf's record as JSON; whole tensors' digests in debug mode) and rank 0
-compares them (:func:`compare`): ranks that pass different trees would otherwise write a
-checkpoint of one rank's plain values and another's shapes, or hang. In debug mode
-:func:`check_replicas` then compares the blocks of replicated GlobalTensors on the ranks that
-hold copies (a collective, run once every rank has proposed).
+structure, every leaf's record as JSON, and a digest of each value it holds a copy of: whole
+tensors, blocks of replicated GlobalTensors) and rank 0 compares them: ranks that pass
+different trees (:func:`compare`) would otherwise write a checkpoint of one rank's plain values
+and another's shapes, or hang, and copies that differ (:func:`check_copies`) would be written
+once, the others lost. Always on: the digests go with the proposals, in the exchange every save
+makes anyway.
 
 Also the helpers ``save`` and ``load`` share: :func:`target_path`, :func:`is_state_leaf`,
 :func:`nearest_spec` (the layout DTensor can write nearest to a spec) and :func:`expressible`.
@@ -17,7 +18,6 @@ Also the helpers ``save`` and ``load`` share: :func:`target_path`, :func:`is_sta
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -31,17 +31,15 @@ from .._compat import is_wrapped
 from .._core.global_tensor import (
     GlobalMeta,
     GlobalTensor,
-    MeshKey,
     applied_shards,
     block_shape,
     dtensor_placements,
     is_global,
 )
-from .._core.placements import P
+from .._core.placements import P, entry_of, entry_splits
 from .._core.tree import describe, keystr
-from .._shard_map.boundary import check_replicated
 from .._shard_map.global_ops import from_dtensor
-from .._shard_map.mesh_view import MeshView
+from .._shard_map.replicas import groups_text, tensor_digest
 from .manifest import (
     KeyPath,
     LeafRecord,
@@ -53,10 +51,12 @@ from .manifest import (
 from .rng import RngState
 
 __all__ = [
+    "Copy",
     "Proposal",
-    "check_replicas",
+    "check_copies",
     "check_unique",
     "compare",
+    "copy_of",
     "expressible",
     "is_state_leaf",
     "leaf_text",
@@ -94,12 +94,12 @@ def nearest_spec(meta: GlobalMeta) -> P:
     """The layout closest to ``meta.spec`` that DTensor can write: each dim's axes in mesh
     order (the same axes split the dim, so the blocks are the same sizes, held elsewhere)."""
     names = meta.key.names
-    entries: list[str | tuple[str, ...] | None] = []
+    entries: list[str | tuple[str | int, ...] | None] = []
     for entry in meta.spec:
         if entry is None or isinstance(entry, str):
             entries.append(entry)
         else:
-            entries.append(tuple(sorted(entry, key=names.index)))
+            entries.append(entry_of(sorted(entry_splits(entry), key=lambda s: names.index(s[0]))))
     return P(*entries)
 
 
@@ -180,46 +180,6 @@ def _check_block(local: torch.Tensor, meta: GlobalMeta, here: str, fn: str) -> N
         )
 
 
-def check_replicas(records: list[LeafRecord], values: list[Any], fn: str) -> None:
-    """Debug mode: raise unless each GlobalTensor's block is equal on the ranks its spec
-    replicates it over (DCP writes one of their copies). Every rank runs every check (a
-    collective over each leaf's replicated axes) and then raises the first that failed.
-
-    Raises:
-        ValueError: a replicated block that differs (its key path and the ranks named).
-    """
-    views: dict[MeshKey, MeshView] = {}
-    first: ValueError | None = None
-    for rec, x in zip(records, values, strict=True):
-        if rec.kind != "global":
-            continue
-        g: GlobalTensor = x
-        meta = g.meta
-        split = {axis for axis, _ in applied_shards(meta.spec)}
-        axes = tuple(n for n in meta.key.names if n not in split and meta.key.size(n) > 1)
-        if not axes:
-            continue
-        view = views.get(meta.key)
-        if view is None:
-            view = views[meta.key] = MeshView(meta.mesh, None, fn)
-        comm = view.comm(axes)
-        if comm is None:
-            continue
-        try:
-            check_replicated(
-                g.local.detach(),
-                comm,
-                f"{fn} {where(rec.path)}: debug mode: the GlobalTensor's spec {meta.spec!r} "
-                f"replicates its block over mesh axes {axes} of mesh {meta.key.text()}, but those "
-                f"ranks hold different blocks; a checkpoint keeps one copy of a replicated "
-                f"block, so pass the same block on each of them",
-            )
-        except ValueError as e:
-            first = first or e
-    if first is not None:
-        raise first
-
-
 def check_unique(records: list[LeafRecord], fn: str) -> None:
     seen: dict[str, KeyPath] = {}
     for r in records:
@@ -231,11 +191,6 @@ def check_unique(records: list[LeafRecord], fn: str) -> None:
             )
 
 
-def _digest(t: torch.Tensor) -> str:
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 @dataclasses.dataclass(frozen=True)
 class Proposal:
     """What a rank proposes to save: rank 0 compares every rank's with its own."""
@@ -244,13 +199,73 @@ class Proposal:
     structure: str
     leaves: tuple[str, ...]  # each leaf's record as JSON, without RNG states
     rng: tuple[RngState, ...]  # this rank's, one per RNG leaf
+    copies: tuple[Copy | None, ...] = ()  # per leaf: the block this rank holds a copy of
 
 
-def leaf_text(record: LeafRecord, x: Any, debug: bool) -> str:
+#: A rank's copy of a value several ranks hold (written once): which block (its coordinates on
+#: the mesh axes that split it; ``()`` for a whole tensor) and the digest of its contents.
+Copy = tuple[tuple[int, ...], int]
+
+
+def leaf_text(record: LeafRecord) -> str:
     data = dataclasses.replace(record, rng=()).to_json()
-    if debug and record.kind == "tensor":
-        data["sha256"] = _digest(x)
     return json.dumps(data, sort_keys=True, allow_nan=False)
+
+
+def copy_of(record: LeafRecord, x: Any, world: int) -> Copy | None:
+    """This rank's copy of the leaf if other ranks hold copies of it too: a whole tensor
+    (with more than one rank), or the block of a GlobalTensor its spec replicates over mesh
+    axes of size above 1."""
+    if record.kind == "tensor":
+        return ((), tensor_digest(x)) if world > 1 else None
+    if record.kind != "global":
+        return None
+    g: GlobalTensor = x
+    meta = g.meta
+    split = {axis for axis, _ in applied_shards(meta.spec)}
+    if all(n in split or meta.key.size(n) == 1 for n in meta.key.names):
+        return None
+    block = tuple(meta.mesh.get_local_rank(n) for n in meta.key.names if n in split)
+    return block, tensor_digest(g.local)
+
+
+def check_copies(proposals: list[Proposal], records: list[LeafRecord], fn: str) -> None:
+    """Raise unless the ranks holding copies of one value (a whole tensor, a block of a
+    replicated GlobalTensor) hold equal ones: DCP writes one of them.
+
+    Raises:
+        ValueError: the first value whose copies differ (its key path and the ranks).
+    """
+    for i, rec in enumerate(records):
+        blocks: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        for rank, p in enumerate(proposals):
+            copy = p.copies[i] if p.copies else None
+            if copy is not None:
+                blocks.setdefault(copy[0], {}).setdefault(copy[1], []).append(rank)
+        differ = [list(by.values()) for by in blocks.values() if len(by) > 1]
+        if not differ:
+            continue
+        held = "; ".join(groups_text(g) for g in differ)
+        if rec.kind == "tensor":
+            raise ValueError(
+                f"{fn} {where(rec.path)}: a whole tensor (every rank holds a copy) differs "
+                f"between the ranks (global ranks holding equal values: {held}); a checkpoint "
+                f"keeps one copy, so the others would be lost. Per-rank state (an optimizer's "
+                f"moments of a rank's block) is a GlobalTensor: ps.from_local(block, spec) "
+                f"with the spec of the value it is a block of"
+            )
+        assert rec.spec is not None and rec.mesh is not None
+        split = {axis for axis, _ in applied_shards(rec.spec)}
+        axes = tuple(n for n, size in rec.mesh if n not in split and size > 1)
+        mesh = "{" + ", ".join(f"{n!r}: {size}" for n, size in rec.mesh) + "}"
+        raise ValueError(
+            f"{fn} {where(rec.path)}: the GlobalTensor's spec {rec.spec!r} replicates its block "
+            f"over mesh axes {axes} of mesh {mesh}, but the ranks holding copies of a block "
+            f"hold different values (global ranks holding equal values: {held}); a checkpoint "
+            f"keeps one copy, so the others would be lost. Pass the same block on each of "
+            f"them, or make per-rank state a GlobalTensor whose spec splits it over those axes "
+            f"too (ps.from_local)"
+        )
 
 
 def _say(text: str) -> str:
@@ -260,8 +275,7 @@ def _say(text: str) -> str:
         spec = spec_from_json(data["spec"])
         return f"a GlobalTensor {tuple(data['shape'])} {data['dtype']} {spec!r}"
     if kind == "tensor":
-        digest = f" (sha256 {data['sha256'][:12]})" if "sha256" in data else ""
-        return f"a tensor {tuple(data['shape'])} {data['dtype']}{digest}"
+        return f"a tensor {tuple(data['shape'])} {data['dtype']}"
     if kind == "value":
         ((name, value),) = data["value"].items()
         return f"the {name} {value!r}"
@@ -271,7 +285,7 @@ def _say(text: str) -> str:
 def compare(proposals: list[Proposal], fn: str) -> None:
     mine = proposals[0]
     for rank, other in enumerate(proposals):
-        if other == dataclasses.replace(mine, rng=other.rng):
+        if other == dataclasses.replace(mine, rng=other.rng, copies=other.copies):
             continue
         if other.path != mine.path:
             raise ValueError(

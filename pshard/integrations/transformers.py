@@ -1,5 +1,6 @@
-"""Hugging Face transformers models under :func:`pshard.sequence_parallel`: the model adapter
-(:class:`pshard.sequence.adapter.ModelAdapter`) of models whose config has an
+"""Hugging Face transformers models under :func:`pshard.sequence_parallel` and
+:func:`pshard.tensor_parallel`: the model adapter (:class:`pshard._modules.adapter.ModelAdapter`,
+with its :class:`~pshard._modules.adapter.TensorParallelParts`) of models whose config has an
 ``_attn_implementation``, registered when this module is imported (``import pshard`` does).
 
 ``transformers`` stays optional: nothing here imports it until a Hugging Face model is used.
@@ -22,6 +23,9 @@ attention again for the duration of that pass (:meth:`TransformersAdapter.use_at
 through the call's backward scope, see :mod:`pshard.sequence._context`) and restores the model's
 own when the pass ends.
 
+**Initialisation** (:func:`pshard.init_sharded`): the model's own weight initialisation is
+registered as the initialiser of Hugging Face models.
+
 **Conventions the adapter owns** (:meth:`TransformersAdapter.prepare`, applied by the hooks to
 the whole call before the split): a KV cache, ``use_cache=True`` and
 ``output_attentions`` are refused; ``labels`` are shifted over the whole sequence into
@@ -30,17 +34,31 @@ whole batch (unless given), so the loss each rank's model computes is its share 
 single-process loss; the post-hook sums the shares (:meth:`TransformersAdapter.sum_loss`:
 ``loss`` is then the single-process loss on every rank, with a backward that leaves each rank
 its share of the gradients).
+
+**Tensor parallelism** (:class:`TransformersAdapter`'s tensor-parallel part): the default plans
+of the Llama, Mistral, Qwen2 (``config.model_type`` ``"llama"``, ``"mistral"``, ``"qwen2"``)
+and GPT-2 causal LMs (and their base models); ``Conv1D`` stores its weight ``(in, out)``;
+attention modules hold their heads in ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (the counts
+from the config, ``num_key_value_groups`` set to this rank's) or, for GPT-2, in the fused
+``c_attn`` (q|k|v; ``split_size`` and ``num_heads`` set to this rank's); with ``loss_parallel``
+the model's ``loss_function`` (``ForCausalLMLoss``, which would reshape split logits with
+``view(-1, vocab_size)`` and cast float64 to float32) is replaced for the block by the same
+loss on the split vocabulary (:func:`pshard.cross_entropy`, in float32 for half-precision
+logits and in the logits' dtype otherwise).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .._modules.adapter import AttentionHeads, PreparedCall, Reduce, register_adapter
+from .._state.init import register_initializer
 from ..sequence._lm import (
     ATTENTION_MASK,
     IGNORE_INDEX,
@@ -51,13 +69,8 @@ from ..sequence._lm import (
     segment_ids_of,
     shift_labels,
 )
-from ..sequence.adapter import (
-    PreparedCall,
-    Reduce,
-    plugged_attention,
-    register_adapter,
-    run_attention,
-)
+from ..sequence.plug import plugged_attention, run_attention
+from ..tensor_parallel._loss import cross_entropy
 
 __all__ = ["TransformersAdapter"]
 
@@ -162,7 +175,7 @@ def _refuse(model: nn.Module, kwargs: dict[str, Any]) -> None:
 
 
 class TransformersAdapter:
-    """The :class:`~pshard.sequence.adapter.ModelAdapter` of Hugging Face transformers models
+    """The :class:`~pshard._modules.adapter.ModelAdapter` of Hugging Face transformers models
     (see the module docs)."""
 
     name = "transformers"
@@ -254,5 +267,201 @@ class TransformersAdapter:
             output["loss"] = reduce(loss, "output['loss']")
         return output
 
+    # ------------------------------------------------------------- tensor parallelism
+
+    def tensor_parallel_plan(
+        self, model: nn.Module, sequence_parallel: bool
+    ) -> dict[str, str] | None:
+        """The default plan of a Llama, Mistral, Qwen2 or GPT-2 model (see the module docs)."""
+        kind = getattr(_config(model), "model_type", None)
+        known = _PLANS.get(kind) if isinstance(kind, str) else None
+        if known is None:
+            return None
+        plan, sequence = known
+        if sequence_parallel:
+            plan = {**plan, **dict.fromkeys(sequence, "sequence")}
+        prefix = getattr(model, "base_model_prefix", "")
+        base = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+        out = {(f"{base}.{k}" if base else k): v for k, v in plan.items()}
+        output_embeddings = _attr(model, "get_output_embeddings", None)
+        head = output_embeddings() if callable(output_embeddings) else None
+        if head is not None and _attr(model, "lm_head", None) is head:
+            out["lm_head"] = "colwise"
+        return out
+
+    def projection_layout(self, module: nn.Module) -> str | None:
+        """``"transposed"`` for transformers' ``Conv1D`` (weight ``(in, out)``)."""
+        if type(module).__name__ == "Conv1D" and _from_transformers(module):
+            return "transposed"
+        return None
+
+    def attention_heads(self, module: nn.Module) -> AttentionHeads | None:
+        """The heads of a Llama-style attention module (``q_proj``, ``k_proj``, ``v_proj``,
+        ``o_proj``) or of GPT-2's (the fused ``c_attn``, then ``c_proj``)."""
+        if not _from_transformers(module):
+            return None
+        config = _attr(module, "config", None)
+        children = dict(module.named_children())
+        if {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(children) and hasattr(
+            module, "num_key_value_groups"
+        ):
+            heads = int(config.num_attention_heads)
+            kv = int(getattr(config, "num_key_value_heads", None) or heads)
+            return AttentionHeads(heads, kv, int(_attr(module, "head_dim")),
+                                  ("q_proj", "k_proj", "v_proj"), ("k_proj", "v_proj"), 1,
+                                  "o_proj")  # fmt: skip
+        if {"c_attn", "c_proj"} <= set(children) and hasattr(module, "split_size"):
+            if getattr(module, "is_cross_attention", False):
+                raise ValueError(
+                    f"tensor_parallel: {type(module).__name__} is a cross-attention module "
+                    f"(q_attn and a fused k|v c_attn); its heads cannot be split by this plan: "
+                    f"leave it whole ('replicate')"
+                )
+            heads = int(_attr(module, "num_heads"))
+            return AttentionHeads(heads, heads, int(_attr(module, "head_dim")), ("c_attn",), (), 3,
+                                  "c_proj")  # fmt: skip
+        return None
+
+    def localize_attention(
+        self, module: nn.Module, heads: int, kv_heads: int
+    ) -> Callable[[], None]:
+        """Set the attributes the module's code reads of its head counts to this rank's."""
+        if hasattr(module, "num_key_value_groups"):
+            values: dict[str, Any] = {"num_key_value_groups": heads // kv_heads}
+        else:
+            values = {"num_heads": heads, "split_size": heads * int(_attr(module, "head_dim"))}
+        saved = {k: module.__dict__[k] for k in values}
+        for k, v in values.items():
+            setattr(module, k, v)
+
+        def undo() -> None:
+            for k, v in saved.items():
+                setattr(module, k, v)
+
+        return undo
+
+    def parallel_loss(self, model: nn.Module, axis: str) -> Callable[[], None] | None:
+        """The model's ``loss_function`` replaced by the causal-LM loss on logits split over
+        the vocabulary (see the module docs)."""
+        if not hasattr(type(model), "loss_function"):
+            return None
+        kind = getattr(model, "loss_type", None)
+        name = type(model).__name__
+        # a causal LM's forward passes its logits to loss_function (transformers falls back to
+        # ForCausalLM where loss_type is None); other heads compute losses it cannot see
+        if kind not in (None, "ForCausalLM") or not name.endswith(("ForCausalLM", "LMHeadModel")):
+            raise ValueError(
+                f"tensor_parallel({name}, loss_parallel=True): the model's loss ({kind!r}) is "
+                f"not a causal LM's, which is the one computed on logits split over the "
+                f"vocabulary; use loss_parallel=False"
+            )
+        # transformers' loss_function property reads (and its setter writes) _loss_function
+        had = "_loss_function" in model.__dict__
+        saved = model.__dict__.get("_loss_function")
+        object.__setattr__(model, "loss_function", _split_vocabulary_loss(axis))
+
+        def undo() -> None:
+            if had:
+                object.__setattr__(model, "loss_function", saved)
+            else:
+                model.__dict__.pop("_loss_function", None)
+
+        return undo
+
+
+def _attr(obj: Any, name: str, *default: Any) -> Any:
+    """An attribute of a transformers object (typed ``Any``: nn.Module types its attributes
+    as tensors or modules)."""
+    return getattr(obj, name, *default)
+
+
+def _from_transformers(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("transformers.")
+
+
+_LLAMA = {
+    "embed_tokens": "vocab",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+_GPT2 = {
+    "wte": "vocab",
+    "h.*.attn.c_attn": "colwise",
+    "h.*.attn.c_proj": "rowwise",
+    "h.*.mlp.c_fc": "colwise",
+    "h.*.mlp.c_proj": "rowwise",
+}
+
+# config.model_type -> the default plan of the base model (module names under its prefix), and
+# the modules Megatron sequence parallelism adds as "sequence": the decoder layers (the first
+# splits the embeddings' output, which transformers reads whole for masks and positions) and
+# the final norm (which gathers: GPT-2 reshapes its output with the whole length)
+_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "llama": (_LLAMA, ("layers.*", "norm")),
+    "mistral": (_LLAMA, ("layers.*", "norm")),
+    "qwen2": (_LLAMA, ("layers.*", "norm")),
+    "gpt2": (_GPT2, ("h.*", "ln_f")),
+}
+
+
+def _split_vocabulary_loss(axis: str) -> Callable[..., torch.Tensor]:
+    """transformers' ``ForCausalLMLoss`` on logits split over the vocabulary across ``axis``."""
+
+    def loss(
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # as transformers computes the loss
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shift_labels.to(logits.device)
+        reduction: Literal["sum", "mean"] = "sum" if num_items_in_batch is not None else "mean"
+        out = cross_entropy(
+            logits, shift_labels, axis=axis, ignore_index=ignore_index, reduction=reduction
+        )
+        if num_items_in_batch is not None:
+            if isinstance(num_items_in_batch, torch.Tensor):
+                num_items_in_batch = num_items_in_batch.to(out.device)
+            out = out / num_items_in_batch
+        return out
+
+    return loss
+
+
+def _initializer(model: nn.Module) -> Callable[[], None] | None:
+    """For :func:`pshard.init_sharded`: a Hugging Face model's own weight initialisation
+    (``initialize_weights``: its ``_init_weights`` on every module, children first, as
+    ``from_config`` runs it), with the modules' "already initialised" flags cleared for the run
+    and put back after it."""
+    initialize = getattr(model, "initialize_weights", None)
+    if not (TransformersAdapter().matches(model) and callable(initialize)):
+        return None
+
+    def run() -> None:
+        modules = list(model.modules())
+        flags = {id(m): m.__dict__.pop("_is_hf_initialized") for m in modules
+                 if "_is_hf_initialized" in m.__dict__}  # fmt: skip
+        try:
+            initialize()
+        finally:
+            for m in modules:
+                m.__dict__.pop("_is_hf_initialized", None)
+                if id(m) in flags:
+                    m.__dict__["_is_hf_initialized"] = flags[id(m)]
+
+    return run
+
 
 register_adapter(TransformersAdapter())
+register_initializer("transformers", _initializer)

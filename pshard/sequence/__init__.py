@@ -24,8 +24,9 @@ the bottom up (a module imports only modules above it in this list):
 - ``_usp``: ``usp_attention`` (Ulysses over one axis, ring attention over another).
 - ``_lm``: causal-LM batches and losses (``prepare_lm_batch``, ``token_mean_loss``) and the
   names of the batch's keys.
-- ``adapter``: the model-adapter protocol that integrations (``pshard.integrations``)
-  implement and register; this package never imports an integration.
+- ``plug``: the attention ``sequence_parallel(attention=...)`` plugs into a model, which the
+  attention layers of a model adapter (:mod:`pshard._modules.adapter`, implemented by
+  ``pshard.integrations``) call; this package never imports an integration.
 - ``_hooks``: ``sequence_parallel`` module hooks and ``reduce_gradients``.
 - ``_broadcast``: every rank's batch in turn to the whole axis (``broadcast_batches``).
 """

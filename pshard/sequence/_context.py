@@ -10,22 +10,15 @@ exceptions).
 reentrant or not) runs parts of ``fn`` again during the backward pass, long after the map has
 returned, so the context variable is empty by then, and the backward pass may run on another
 thread (the autograd engine's device threads), where context variables do not reach. The map
-therefore records its context with the forward: every floating output of the mapped function
-passes through an identity (:func:`record_for_backward`) whose backward, which runs before
-anything inside the map is differentiated, files the context under the running backward pass
-(its graph task, :func:`pshard._compat.graph_task_id`). During that pass :func:`find_context`
-finds it there when the context variable has none. Several maps in one backward pass are told
-apart by their axis and, for the attention functions, by the number of local tokens they are
-given; when two *different* contexts still fit (say, sequences of 7 and 8 tokens, both 4 per
-rank on 2 ranks) a recompute cannot tell which it belongs to and :func:`find_context` raises
-rather than guessing.
-
-That registry (graph task -> what its pass recorded) is the only state kept outside a context
-variable, and no entry outlives its backward pass: the first filing of a pass hands the autograd
-engine an end-of-pass callback, which the engine calls when the pass succeeds and drops, with
-the graph task, when it fails; a finalizer on the callback ends the pass either way, so the
-entry goes (and what the pass changed is undone, see ``CallState.backward_scope``) also after a
-backward pass that raised.
+therefore records its context with the forward (:func:`record_for_backward`,
+:mod:`pshard._modules.passes`): the backward pass through the map's outputs files it, and during
+that pass :func:`find_context` finds it there when the context variable has none. Several maps
+in one backward pass are told apart by their axis and, for the attention functions, by the
+number of local tokens they are given; when two *different* contexts still fit (say, sequences
+of 7 and 8 tokens, both 4 per rank on 2 ranks) a recompute cannot tell which it belongs to and
+:func:`find_context` raises rather than guessing. A context of a ``sequence_parallel`` call also
+enters the call's ``backward_scope`` for the pass (``CallState.backward_scope``: the model's
+attention plugged again), undone when the pass ends.
 
 Internal interface:
 
@@ -48,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -56,9 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._collectives.apply import call
-from .._compat import graph_task_id, queue_backward_callback
-from .._core.tree import tree_map
+from .._modules.passes import record_for_backward as record
+from .._modules.passes import recorded
 from .._runtime.mesh import Axis, use_mesh
 from ._layouts import SeqLayout
 
@@ -93,7 +84,7 @@ class SeqAttention:
     """The sequence-parallel attention ``sequence_parallel(model, attention=...)`` plugged into
     the model, for one call: ``kind`` (``"ulysses"``, ``"ring"`` or ``"usp"``), the call's
     ``axis`` (normalised; ``(ring_axis, ulysses_axis)`` for ``"usp"``) and this rank's segment
-    ids (``(batch, local tokens)``, or ``None``). :func:`pshard.sequence.adapter.run_attention`
+    ids (``(batch, local tokens)``, or ``None``). :func:`pshard.sequence.plug.run_attention`
     runs it."""
 
     kind: str
@@ -147,6 +138,11 @@ class SeqContext:
         if self.call is not None:
             self.call.attended += 1
 
+    def backward_scope(self) -> Callable[[], None] | None:
+        """What a backward pass through the map enters (the call's scope, see
+        :class:`CallState`)."""
+        return None if self.call is None else self.call.backward_scope()
+
     def positions(self) -> torch.Tensor:
         """This rank's global positions (int64, ``layout.local_length`` of them; values
         ``>= layout.length`` are padding)."""
@@ -163,103 +159,15 @@ def sequence_context(ctx: SeqContext) -> Iterator[SeqContext]:
         _STACK.reset(token)
 
 
-class _Pass:
-    """What one running backward pass recorded: the contexts of the maps it went through, and
-    what to undo when it ends."""
-
-    def __init__(self) -> None:
-        self.contexts: list[SeqContext] = []
-        self.undo: list[Callable[[], None]] = []
-
-
-# graph task id of a running backward pass -> what it recorded (see the module docs); written and
-# read from the threads the backward passes run on (each dict operation holds the GIL)
-_PASSES: dict[int, _Pass] = {}
-
-
-def _end(task: int) -> None:
-    """Backward pass ``task`` ended: forget what it recorded and undo what it changed."""
-    done = _PASSES.pop(task, None)
-    if done is not None:
-        for undo in reversed(done.undo):
-            undo()
-
-
-class _OnEnd:
-    """The end-of-pass callback of one graph task. The engine calls it when the pass succeeds
-    and drops it with the graph task when the pass fails; its finalizer ends the pass in both
-    cases (a second :func:`_end` finds nothing)."""
-
-    def __init__(self, task: int) -> None:
-        self.task = task
-        weakref.finalize(self, _end, task)
-
-    def __call__(self) -> None:
-        _end(self.task)
-
-
-def _at_end_of_pass(callback: Callable[[], None]) -> None:
-    """Have the autograd engine call ``callback`` when the running backward pass succeeds."""
-    queue_backward_callback(callback)
-
-
-def _file(ctx: SeqContext) -> None:
-    task = graph_task_id()
-    if task < 0:  # pragma: no cover - a backward runs inside a graph task
-        return
-    live = _PASSES.get(task)
-    if live is None:
-        live = _PASSES[task] = _Pass()
-        _at_end_of_pass(_OnEnd(task))
-    if ctx not in live.contexts:
-        live.contexts.append(ctx)
-        undo = None if ctx.call is None else ctx.call.backward_scope()
-        if undo is not None:  # e.g. a model's attention plugged again for the recomputation
-            live.undo.append(undo)
-
-
-class _Record(torch.autograd.Function):
-    """The identity; its backward files the context for the rest of the backward pass."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(c: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        c.seq = inputs[1]
-
-    @staticmethod
-    def backward(c: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _file(c.seq)
-        return g, None
-
-    @staticmethod
-    def jvp(c: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        return t
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, ctx: SeqContext) -> Any:
-        return call(_Record, x, ctx), in_dims[0]
-
-
 def record_for_backward(tree: Any, ctx: SeqContext) -> Any:
     """``tree`` with every floating tensor passed through an identity whose backward makes
     ``ctx`` findable (by :func:`find_context`) for the rest of that backward pass."""
-    return tree_map(
-        lambda x: (
-            call(_Record, x, ctx)
-            if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-            else x
-        ),
-        tree,
-    )
+    return record(tree, ctx)
 
 
 def _recorded(axis: Axis | None, local_length: int | None) -> SeqContext | None:
     """The context a running backward pass recorded for ``axis``, for a recompute."""
-    running = _PASSES.get(graph_task_id())
-    live = running.contexts if running is not None else []
+    live = [entry for entry in recorded() if isinstance(entry, SeqContext)]
     key = None if axis is None else normalize_axis(axis)
     found = [ctx for ctx in live if key is None or ctx.axis == key]
     if len(found) > 1 and local_length is not None:

@@ -4,7 +4,7 @@ For models whose code you do not want to rewrite as a function (Hugging Face mod
 context manager is active, each call of the model
 
 1. (pre-hook) binds positional arguments to their names by the ``forward`` signature; when a
-   model adapter knows the model (:mod:`pshard.sequence.adapter`), lets it prepare the whole
+   model adapter knows the model (:mod:`pshard._modules.adapter`), lets it prepare the whole
    call (refusals, labels shifted over the whole sequence, segment ids of padding and packed
    documents); adds ``position_ids`` when absent (``arange(seq_len)``, before sharding, so they
    are the true positions), turns an int ``logits_to_keep`` into a boolean mask over the whole
@@ -15,7 +15,7 @@ context manager is active, each call of the model
    convention (:mod:`pshard.sequence._lm`);
 2. runs ``forward`` inside the sequence context, so ``ps.ulysses_attention`` and
    ``ps.seq_positions`` inside the model know the layout (and an attention the adapter plugged
-   finds the call's, :func:`pshard.sequence.adapter.plugged_attention`);
+   finds the call's, :func:`pshard.sequence.plug.plugged_attention`);
 3. (post-hook) gathers every output tensor whose dim 1 is this rank's tokens (and ``logits``
    restricted by ``logits_to_keep``) back into the whole sequence, un-permuted and unpadded;
    a loss the adapter says is this rank's share is summed over the axis.
@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._collectives.functions import all_gather
 from .._core.checks import axis_names
 from .._core.tree import describe, tree_flatten_with_path, tree_unflatten
+from .._modules.adapter import ModelAdapter, PreparedCall, find_adapter, registered_adapters
 from .._runtime.debug import debug_enabled
 from .._runtime.mesh import Axis, AxisInfo, mesh_for, resolve_axis, use_mesh
 from .._runtime.wire import Comm, all_reduce, comm
@@ -57,7 +58,7 @@ from ._lm import (
     SEQUENCE_KEYS,
 )
 from ._seq_boundary import SeqBoundary
-from .adapter import ATTENTIONS, ModelAdapter, PreparedCall, find_adapter, registered_adapters
+from .plug import ATTENTIONS
 
 __all__ = ["SequenceParallel", "reduce_gradients", "sequence_parallel"]
 
@@ -432,7 +433,7 @@ def sequence_parallel(
     un-permuted and unpadded. ``num_items_in_batch`` is passed as given: compute it on the whole
     batch (:func:`pshard.prepare_lm_batch`), not per shard.
 
-    **Models a model adapter knows** (:mod:`pshard.sequence.adapter`; Hugging Face models,
+    **Models a model adapter knows** (:mod:`pshard._modules.adapter`; Hugging Face models,
     through :mod:`pshard.integrations.transformers`, see ``docs/huggingface.md``):
     ``attention="ulysses"``, ``"ring"`` or ``"usp"`` plugs that sequence-parallel attention into
     the model for the block (the model's own comes back on exit, and serves calls outside a

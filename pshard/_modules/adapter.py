@@ -1,5 +1,5 @@
-"""Model adapters: what :func:`pshard.sequence_parallel` needs from a family of models it does
-not own.
+"""Model adapters: what pshard's model-level rooms need from a family of models they do not
+own.
 
 On its own, ``sequence_parallel(model)`` splits a call by pshard's causal-LM batch convention
 (the keys of :mod:`pshard.sequence._lm`: the sequence length is that of ``input_ids`` or
@@ -9,11 +9,11 @@ the model calls the sequence-parallel attention functions itself. A family of mo
 conventions of its own is described by a :class:`ModelAdapter`:
 
 - **which attention to swap in, and how to restore the model**: :meth:`~ModelAdapter.plug`
-  makes the model's attention layers call :func:`run_attention` (the attention
-  ``sequence_parallel(model, attention=...)`` asked for, found with :func:`plugged_attention`)
-  and returns what restores the model's own; :meth:`~ModelAdapter.attention_name` and
-  :meth:`~ModelAdapter.use_attention` let a backward pass through a call plug it again for
-  recomputed (checkpointed) layers;
+  makes the model's attention layers call :func:`pshard.sequence.plug.run_attention` (the
+  attention ``sequence_parallel(model, attention=...)`` asked for, found with
+  :func:`pshard.sequence.plug.plugged_attention`) and returns what restores the model's own;
+  :meth:`~ModelAdapter.attention_name` and :meth:`~ModelAdapter.use_attention` let a backward
+  pass through a call plug it again for recomputed (checkpointed) layers;
 - **which arguments are sequences, and how to pad and shift them** before the split:
   :meth:`~ModelAdapter.prepare` sees the whole call (refusing what cannot be exact, shifting
   labels over the whole sequence, counting the whole batch's targets) and returns the segment
@@ -21,41 +21,39 @@ conventions of its own is described by a :class:`ModelAdapter`:
 - **the model's own loss**: when the model computes a loss from the labels of its tokens,
   :meth:`~ModelAdapter.sum_loss` sums every rank's share.
 
+The same adapter may describe the family to :func:`pshard.tensor_parallel`
+(:class:`TensorParallelParts`, found with :func:`tensor_parallel_part`): the default plans of
+its models, the layers that store their weight transposed (Hugging Face's ``Conv1D``), how an
+attention module holds its heads (:class:`AttentionHeads`) and which of its attributes count
+them, and the model's own loss on logits split over the vocabulary.
+
 An adapter is registered once with :func:`register_adapter` and found with
 :func:`find_adapter`. The registry is written when an integration is imported
 (:mod:`pshard.integrations.transformers` registers the Hugging Face adapter when ``pshard`` is
-imported) and read afterwards; this package never imports an integration, and registering one
-imports nothing of the library it adapts.
+imported) and read afterwards; the rooms that use it never import an integration, and
+registering one imports nothing of the library it adapts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from ._context import SeqAttention, find_context
-from ._ring import ring_attention
-from ._ulysses import ulysses_attention
-from ._usp import usp_attention
-
 __all__ = [
-    "ATTENTIONS",
+    "AttentionHeads",
     "ModelAdapter",
+    "TensorParallelParts",
     "PreparedCall",
     "Reduce",
     "find_adapter",
-    "plugged_attention",
     "register_adapter",
     "registered_adapters",
-    "run_attention",
+    "tensor_parallel_part",
 ]
-
-#: What ``sequence_parallel(model, attention=...)`` takes.
-ATTENTIONS = ("ulysses", "ring", "usp")
 
 #: ``reduce(value, where)``: the sum over the sequence-parallel axis of every rank's ``value``
 #: (its share of a loss); ``where`` names the output in errors (``"output['loss']"``).
@@ -103,10 +101,10 @@ class ModelAdapter(Protocol):
         ...
 
     def plug(self, model: nn.Module) -> Callable[[], None]:
-        """Make the model's attention layers run :func:`run_attention` when
-        :func:`plugged_attention` finds one, and their own attention otherwise; returns the
-        function that restores the model's own. Raises ``RuntimeError`` when pshard's attention
-        is already plugged (nesting)."""
+        """Make the model's attention layers run :func:`pshard.sequence.plug.run_attention`
+        when :func:`pshard.sequence.plug.plugged_attention` finds one, and their own attention
+        otherwise; returns the function that restores the model's own. Raises
+        ``RuntimeError`` when pshard's attention is already plugged (nesting)."""
         ...
 
     def use_attention(self, model: nn.Module, name: str) -> Callable[[], None] | None:
@@ -129,6 +127,64 @@ class ModelAdapter(Protocol):
 
     def sum_loss(self, output: Any, reduce: Reduce) -> Any:
         """``output`` with the loss it holds (this rank's share) replaced by ``reduce`` of it."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionHeads:
+    """How an attention module holds its heads (:meth:`TensorParallelParts.attention_heads`).
+
+    Attributes:
+        heads: query heads.
+        kv_heads: key/value heads (``heads`` without grouped-query attention).
+        head_dim: the width of one head.
+        projections: the children (names relative to the module) whose outputs are the heads:
+            the query, key and value projections in that order, or one fused projection.
+        kv: the key and value projections among them (empty for a fused one).
+        parts: how many equal parts a fused projection packs on its output (q|k|v: 3), else 1.
+        output: the child projecting the heads back to the model's width.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    projections: tuple[str, ...]
+    kv: tuple[str, ...]
+    parts: int
+    output: str
+
+
+@runtime_checkable
+class TensorParallelParts(Protocol):
+    """What ``tensor_parallel`` needs to know about one family of models."""
+
+    def tensor_parallel_plan(
+        self, model: nn.Module, sequence_parallel: bool
+    ) -> dict[str, str] | None:
+        """The default plan of ``model`` (module-name pattern -> style), with Megatron sequence
+        parallelism when asked; ``None`` when the adapter has none for this model."""
+        ...
+
+    def projection_layout(self, module: nn.Module) -> str | None:
+        """``"transposed"`` for a layer of the family that computes ``x @ weight + bias`` with
+        ``weight`` stored ``(in, out)`` (Hugging Face's ``Conv1D``); ``None`` otherwise."""
+        ...
+
+    def attention_heads(self, module: nn.Module) -> AttentionHeads | None:
+        """How ``module`` holds its heads, when it is an attention module of the family."""
+        ...
+
+    def localize_attention(
+        self, module: nn.Module, heads: int, kv_heads: int
+    ) -> Callable[[], None]:
+        """Make the attention ``module`` compute with ``heads`` query and ``kv_heads`` key/value
+        heads (this rank's: the attributes its code reads of them); returns the undo."""
+        ...
+
+    def parallel_loss(self, model: nn.Module, axis: str) -> Callable[[], None] | None:
+        """Replace the loss ``model`` computes from its ``labels`` by the same loss on logits
+        split over the vocabulary across ``axis``; returns the undo, or ``None`` when the model
+        computes no loss of its own."""
         ...
 
 
@@ -155,39 +211,10 @@ def find_adapter(model: nn.Module) -> ModelAdapter | None:
     return None
 
 
-def plugged_attention(local_length: int) -> SeqAttention | None:
-    """The attention plugged for the ``sequence_parallel`` call running now (in the forward
-    pass, or recomputed in its backward pass), for an attention layer given ``local_length``
-    tokens; ``None`` outside such a call (the layer runs the model's own attention)."""
-    ctx = find_context(None, local_length)
-    return None if ctx is None or ctx.call is None else ctx.call.attention
-
-
-def run_attention(
-    plugged: SeqAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    causal: bool,
-    window: int | tuple[int | None, int | None] | None,
-    scale: float | None,
-    seq_dim: int,
-    head_dim: int,
-) -> torch.Tensor:
-    """Run ``plugged`` (:func:`pshard.ulysses_attention`, :func:`pshard.ring_attention` or
-    :func:`pshard.usp_attention`) on this rank's tokens, with the call's segment ids; the
-    arguments are those of the attention functions."""
-    options: dict[str, Any] = {
-        "causal": causal,
-        "segment_ids": plugged.segment_ids,
-        "window": window,
-        "seq_dim": seq_dim,
-        "head_dim": head_dim,
-        "scale": scale,
-    }
-    if plugged.kind == "usp":
-        ring, ulysses = plugged.axis  # (ring_axis, ulysses_axis)
-        return usp_attention(query, key, value, ulysses_axis=ulysses, ring_axis=ring, **options)
-    attend = ulysses_attention if plugged.kind == "ulysses" else ring_attention
-    return attend(query, key, value, axis=plugged.axis, **options)
+def tensor_parallel_part(model: nn.Module) -> TensorParallelParts | None:
+    """The tensor-parallel part of the adapter of ``model``'s family (the latest registered
+    that matches and has one), or ``None``."""
+    for adapter in reversed(_ADAPTERS.values()):
+        if isinstance(adapter, TensorParallelParts) and adapter.matches(model):
+            return adapter
+    return None

@@ -1,0 +1,215 @@
+"""A model while ``tensor_parallel`` runs it: the blocks it is in (a context variable), its
+split layers' ``forward`` replaced, and what stays after the block for backward passes.
+
+**The run.** Each ``with ps.tensor_parallel(model, ...)`` is a :class:`Run` (the model, the
+axis and its mesh, the resolved plan), pushed on a context variable for the block. ``ps.checkpoint``
+runs its recompute in a copy of the forward's context, so a layer recomputed after the block
+still finds its run.
+
+**The patches.** While at least one run of a model is installed, each split layer's
+``forward`` is a :class:`_Forward` (an instance attribute, as ``sharded_call`` installs its
+units) and the model's own is a :class:`_Root`; the attention modules compute with this rank's
+head counts and the model's loss, with ``loss_parallel``, works on the split vocabulary (both
+through the model adapter). A patch asks for the model's active run on every call: with none it
+is the module's own ``forward``; with one it computes the split layer (:mod:`._layers`).
+Installs are counted per model (threads that are ranks share one model) and the model is
+restored when the last one ends.
+
+**Backward passes.** The root records the run with the model's outputs
+(:func:`pshard._modules.passes.record_for_backward`): a backward pass through a call made in
+the block installs the patches again for the rest of that pass (recomputed layers, with
+``ps.checkpoint`` or ``torch.utils.checkpoint``, run split as in the forward) and finds the run
+where the context variable has none.
+
+Internal interface: ``Run`` (``backward_scope``), ``running(run)`` (the block's context
+manager: the run pushed and installed), ``active_run(model)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._collectives.functions import axis_index
+from .._modules.adapter import TensorParallelParts
+from .._modules.passes import record_for_backward, recorded
+from .._runtime.mesh import use_mesh
+from ._layers import Split, run_layer
+from ._plan import Resolved
+
+__all__ = ["Run", "active_run", "running"]
+
+_FN = "tensor_parallel"
+
+_RUNS: contextvars.ContextVar[tuple[Run, ...]] = contextvars.ContextVar(
+    "pshard_tensor_parallel", default=()
+)
+
+# guards the install counts of models shared by threads (ranks of one process)
+_LOCK = threading.Lock()
+
+
+class Run:
+    """One ``tensor_parallel`` block of one model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        axis: str,
+        mesh: DeviceMesh,
+        size: int,
+        resolved: Resolved,
+        loss_parallel: bool,
+        adapter: TensorParallelParts | None,
+    ) -> None:
+        self.model = model
+        self.axis = axis
+        self.mesh = mesh
+        self.size = size
+        self.resolved = resolved
+        self.loss_parallel = loss_parallel
+        self.adapter = adapter
+        self.key = (axis, size, loss_parallel, tuple(resolved.layers.values()))
+        self.split: Split | None = None
+
+    def split_now(self) -> Split:
+        """This rank's view of the axis (made once, in the run's mesh)."""
+        if self.split is None:
+            with use_mesh(self.mesh):
+                rank = axis_index(self.axis)
+            self.split = Split(self.axis, self.size, rank, self.loss_parallel)
+        return self.split
+
+    def backward_scope(self) -> Callable[[], None]:
+        """A backward pass through a call of the block: the model split again until it ends."""
+        return _install(self)
+
+
+def active_run(model: nn.Module) -> Run | None:
+    """The innermost run of ``model`` in this context, else the one the running backward
+    pass recorded, else ``None``."""
+    for run in reversed(_RUNS.get()):
+        if run.model is model:
+            return run
+    for entry in recorded():
+        if isinstance(entry, Run) and entry.model is model:
+            return entry
+    return None
+
+
+@contextlib.contextmanager
+def running(run: Run) -> Iterator[Run]:
+    """The block: ``run`` pushed on the context and installed on its model."""
+    undo = _install(run)
+    token = _RUNS.set((*_RUNS.get(), run))
+    try:
+        yield run
+    finally:
+        _RUNS.reset(token)
+        undo()
+
+
+def _own_forward(module: nn.Module, saved: Any) -> Callable[..., Any]:
+    return saved if saved is not None else type(module).forward.__get__(module)
+
+
+class _Forward:
+    """A split layer's ``forward`` while its model is installed."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, name: str, saved: Any) -> None:
+        self.model, self.module, self.name, self.saved = model, module, name, saved
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        own = _own_forward(self.module, self.saved)
+        run = active_run(self.model)
+        if run is None:
+            return own(*args, **kwargs)
+        layer = run.resolved.layers[self.name]
+        with use_mesh(run.mesh):
+            return run_layer(layer, self.module, own, args, kwargs, run.split_now())
+
+
+class _Root:
+    """The model's ``forward`` while it is installed: records the run with the outputs (for
+    the backward passes through them). Holds the install count and what restores the model."""
+
+    def __init__(self, model: nn.Module, saved: Any, key: Any) -> None:
+        self.model, self.saved, self.key = model, saved, key
+        self.count = 0
+        self.undo: list[Callable[[], None]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        own = _own_forward(self.model, self.saved)
+        run = active_run(self.model)
+        if run is None:
+            return own(*args, **kwargs)
+        return record_for_backward(own(*args, **kwargs), run)
+
+
+def _set_forward(module: nn.Module, forward: Any) -> Callable[[], None]:
+    saved = module.__dict__.get("forward")
+    module.forward = forward
+
+    def undo() -> None:
+        if module.__dict__.get("forward") is forward:
+            if saved is None:
+                del module.forward
+            else:
+                module.forward = saved
+
+    return undo
+
+
+def _install(run: Run) -> Callable[[], None]:
+    """Install ``run``'s patches on its model (or count one more install); returns the undo."""
+    model = run.model
+    with _LOCK:
+        root = model.__dict__.get("forward")
+        if not (isinstance(root, _Root) and root.model is model):
+            root = _Root(model, root, run.key)
+            _patch(run, root)
+        elif root.key != run.key:
+            raise RuntimeError(
+                f"{_FN}({type(model).__name__}): the model is already split by another "
+                f"tensor_parallel block (another plan, axis size or loss_parallel); one model "
+                f"runs under one layout at a time"
+            )
+        root.count += 1
+
+    def undo() -> None:
+        with _LOCK:
+            root.count -= 1
+            if root.count == 0:
+                for step in reversed(root.undo):
+                    step()
+                root.undo.clear()
+
+    return undo
+
+
+def _patch(run: Run, root: _Root) -> None:
+    model, adapter = run.model, run.adapter
+    try:
+        for name in run.resolved.layers:
+            module = model.get_submodule(name)
+            saved = module.__dict__.get("forward")
+            root.undo.append(_set_forward(module, _Forward(model, module, name, saved)))
+        for name, heads, kv_heads in run.resolved.attention:
+            assert adapter is not None  # only an adapter describes attention modules
+            root.undo.append(adapter.localize_attention(model.get_submodule(name), heads, kv_heads))
+        if run.loss_parallel and adapter is not None:
+            undo = adapter.parallel_loss(model, run.axis)
+            if undo is not None:
+                root.undo.append(undo)
+        root.undo.append(_set_forward(model, root))
+    except BaseException:
+        for step in reversed(root.undo):
+            step()
+        root.undo.clear()
+        raise
