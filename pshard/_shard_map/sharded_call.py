@@ -10,57 +10,49 @@ activations are not recomputed, only the gathers.
 Two forms, told apart per parameter:
 
 - a :class:`~pshard.GlobalTensor` (outside any map, or passed into a map over other axes): its
-  blocks are gathered with :func:`pshard.gather` (the transpose takes this rank's block of the
-  whole cotangent);
+  blocks are gathered over its own mesh, :func:`pshard.gather`'s way (the transpose takes this
+  rank's block of the whole cotangent);
 - a plain tensor, with its spec in ``specs`` (inside a map: the block ``fn`` received and the
-  map's in_spec for it): gathered with :func:`pshard.all_gather` over the spec's axes, padded
-  where the blocks are uneven (``torch.chunk``'s rule); the transpose is a ``psum_scatter``, the
-  cotangent of the block summed over the ranks that used the whole. Global shapes are read from
-  the module's own parameters (which may live on the ``meta`` device).
+  map's in_spec for it): gathered over the spec's axes, padded where the blocks are uneven
+  (``torch.chunk``'s rule); the transpose reduce-scatters, the cotangent of the block summed
+  over the ranks that used the whole. Global shapes are read from the module's own parameters
+  (which may live on the ``meta`` device).
+
+Either way a unit's gather is one differentiable operation that casts too
+(:mod:`pshard._collectives.cast_gather`: FSDP2's mixed precision, the policy of
+:mod:`pshard._shard_map.fsdp_policy`), issued ahead by the call's schedule
+(:mod:`pshard._shard_map.unit_schedule`); a unit's call is :mod:`pshard._shard_map.units`'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .. import _compat as compat
-from .._collectives.apply import call
-from .._collectives.cast_gather import BlockPlan, UnitPlan, block_levels, cast_gather
+from .._collectives.cast_gather import BlockPlan, block_levels
 from .._core.global_tensor import applied_shards, is_global
 from .._core.placements import P, Replicate, Shard, StridedShard
 from .._core.specs import broadcast_prefix_flat
-from .._core.tree import describe, tree_flatten, tree_unflatten
-from .._remat.checkpoint import checkpoint
-from .._remat.names import checkpoint_name
-from .._remat.policies import save_anything_except_these_names
+from .._core.tree import describe, tree_flatten
 from .._runtime.mesh import mesh_for
 from .._runtime.wire import comm
 from .fsdp_policy import ShardedCallPolicy
 from .global_ops import block_plan
-from .unit_schedule import PreBackward, UnitSchedule, UnitSlot, gate
+from .unit_schedule import UnitSchedule, UnitSlot, gate
+from .units import GATHER_NAME, Gathered, UnitCall, UnitEntry, installed
 
 __all__ = ["GATHER_NAME", "KEEP_SPLIT", "sharded_call"]
 
 _FN = "sharded_call"
 
-#: The :func:`pshard.checkpoint_name` of the weights a unit gathers (recomputed, not saved).
-GATHER_NAME = "pshard.sharded_call.gather"
-
 #: The mesh axes whose splits ``sharded_call`` keeps: inside ``ps.tensor_parallel(axis=a)``
 #: the blocks are gathered over every axis but ``a`` (and the layers compute on ``a``'s block).
 KEEP_SPLIT: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "pshard_sharded_call_keep", default=frozenset()
-)
-
-# the units whose own forward is running (their override calls through to it)
-_INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "pshard_sharded_call_inside", default=frozenset()
 )
 
 Units = type | tuple[type, ...] | list[type] | Callable[[torch.nn.Module], bool] | None
@@ -169,145 +161,6 @@ def _check_kept(
             )
 
 
-class _Gathered:
-    """Some parameters gathered together (a unit's, or the rest's): their plans, and which of
-    them need work (a gather or a cast; the others are used as they are). ``cast[i]``: the
-    value is a parameter (a buffer keeps its dtype)."""
-
-    def __init__(
-        self, plans: list[BlockPlan], dtypes: list[torch.dtype], policy: ShardedCallPolicy,
-        cast: list[bool],
-    ) -> None:  # fmt: skip
-        pd = policy.param_dtype
-        self.work = [
-            i
-            for i, (bp, c, d) in enumerate(zip(plans, cast, dtypes, strict=True))
-            if bp.levels or (c and pd is not None and d.is_floating_point and d != pd)
-        ]
-        # only floating-point parameters are cast (a buffer that is gathered keeps its dtype)
-        blocks = tuple(dataclasses.replace(plans[i], cast=cast[i]) for i in self.work)
-        self.plan = UnitPlan(blocks, pd, policy.reduce)
-
-    def __call__(self, blocks: list[torch.Tensor], slot: UnitSlot | None) -> list[torch.Tensor]:
-        if not self.work:
-            return list(blocks)
-        wholes = iter(cast_gather(self.plan, [blocks[i] for i in self.work], slot))
-        work = set(self.work)
-        return [next(wholes) if i in work else b for i, b in enumerate(blocks)]
-
-
-class _UnitCall:
-    """One unit's call, checkpointed: gathers the unit's parameters from the blocks it is given
-    (named :data:`GATHER_NAME`, so the policy recomputes them) and runs the unit's own forward
-    with them. Not a closure over the unit, so the checkpoint does not take the unit's own
-    parameters for arguments."""
-
-    def __init__(
-        self,
-        unit: torch.nn.Module,
-        name: str,
-        local_names: list[str],
-        gathered: _Gathered,
-        slot: UnitSlot | None,
-    ) -> None:
-        self.unit = unit
-        self.__qualname__ = name  # how ps.checkpoint's errors name this call
-        self.local_names = local_names
-        self.gathered = gathered
-        self.slot = slot
-
-    def __call__(
-        self,
-        blocks: list[torch.Tensor],
-        extras: dict[str, torch.Tensor],
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        whole = dict(extras)
-        for local_name, value in zip(
-            self.local_names, self.gathered(blocks, self.slot), strict=True
-        ):
-            whole[local_name] = checkpoint_name(value, GATHER_NAME)
-        token = _INSIDE.set(_INSIDE.get() | {id(self.unit)})
-        try:
-            return torch.func.functional_call(self.unit, whole, args, kwargs, strict=False)
-        finally:
-            _INSIDE.reset(token)
-
-
-class _UnitEntry:
-    """What the model's call of a unit runs: its place in the schedule, its inputs cast, the
-    checkpointed call, and (when the backward gathers again and overlaps) the Function on its
-    outputs that starts the backward's gathers."""
-
-    def __init__(
-        self, run: _UnitCall, u: int, blocks: list[torch.Tensor], extras: dict[str, torch.Tensor],
-        schedule: UnitSchedule, policy: ShardedCallPolicy,
-    ) -> None:  # fmt: skip
-        self.run = run
-        self.u = u
-        self.blocks = blocks
-        self.extras = extras
-        self.schedule = schedule
-        self.policy = policy
-        # reshard after forward: every value kept but the gathered weights (gathered again)
-        dropped = (GATHER_NAME,) if policy.reshard_after_forward else ()
-        self.checkpoint_policy = save_anything_except_these_names(*dropped)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        position = self.schedule.forward_call(self.u)
-        args, kwargs = self.policy.cast_inputs((args, kwargs))
-        out = checkpoint(self.run, self.blocks, self.extras, *args, policy=self.checkpoint_policy,
-                         **kwargs)  # fmt: skip
-        if not (self.policy.prefetch and self.policy.reshard_after_forward):
-            return out
-        if not (torch.is_grad_enabled() or compat.transforms_active()):
-            return out
-        leaves, treedef = tree_flatten(out)
-        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and _float(x)]
-        if not at:
-            return out
-        passed = call(PreBackward, self.schedule, position, *[leaves[i] for i in at])
-        for i, x in zip(at, passed, strict=True):
-            leaves[i] = x
-        return tree_unflatten(treedef, leaves)
-
-
-def _float(x: torch.Tensor) -> bool:
-    return x.is_floating_point() or x.is_complex()
-
-
-@contextlib.contextmanager
-def _installed(calls: Mapping[int, tuple[torch.nn.Module, Callable[..., Any]]]) -> Iterator[None]:
-    """Each unit's forward replaced by its checkpointed call while the block runs; inside that
-    call, the unit's own forward."""
-    saved = []
-    try:
-        for unit, entry in calls.values():
-            own = unit.__dict__.get("forward")
-            original = type(unit).forward if own is None else own
-
-            def forward(*args: Any, __unit: Any = unit, __call: Any = entry, __orig: Any = original,
-                        **kwargs: Any) -> Any:  # fmt: skip
-                if id(__unit) in _INSIDE.get():
-                    return (
-                        __orig(__unit, *args, **kwargs)
-                        if __orig is type(__unit).forward
-                        else __orig(*args, **kwargs)
-                    )
-                return __call(*args, **kwargs)
-
-            saved.append((unit, own))
-            unit.forward = forward
-        yield
-    finally:
-        for unit, own in saved:
-            if own is None:
-                del unit.forward
-            else:
-                unit.forward = own
-
-
 def sharded_call(
     module: torch.nn.Module,
     params: Mapping[str, Any],
@@ -351,12 +204,28 @@ def sharded_call(
     default ``use_cache=True``) is an error naming the unit; pass ``use_cache=False``. Weights
     tied across units (or a unit and the rest) are gathered once, with the rest.
 
-    Gradients: exact under ``torch.func.grad`` / ``vjp`` and ``.backward()`` (blocks as leaf
-    tensors), uneven and empty blocks included; they come back as blocks (GlobalTensors of the
-    same layout, or blocks of the map's input). Per-rank peak: the blocks, the rest's gathered
-    parameters, one gathered unit and the activations. Under ``torch.func.grad`` what runs
-    outside the units (the loss) keeps its graph until the whole gradient is done: put it in
-    :func:`pshard.checkpoint` too to free those activations, as ``.backward()`` would.
+    **Mixed precision** (FSDP2's ``MixedPrecisionPolicy``): with ``param_dtype`` the
+    floating-point parameters are cast to it before they are gathered (half the bytes on the
+    wire for bfloat16) and every unit computes in it; the floating-point tensors of the inputs
+    (the call's and each unit's) are cast to it, and the outputs come back in it. The weights'
+    cotangents are cast to ``reduce_dtype`` before they are reduce-scattered (inside a map) or
+    sliced (a GlobalTensor outside one); ``None``: ``param_dtype``, FSDP2's default. Gradients
+    come back in each block's own dtype: float32 masters stay float32. Buffers are not cast.
+
+    **Overlap**: with ``prefetch`` (default) the next unit's gather is issued before the
+    current unit computes, in the forward (the model's order of units) and in the backward
+    (the reverse of the order the forward ran them in); on an accelerator the reduce-scatters
+    of gradients run while the backward goes on. The numbers are those of ``prefetch=False``,
+    bit for bit. ``reshard_after_forward=False`` keeps each unit's gathered weights from its
+    forward to its backward (ZeRO-2: no second gather, one gathered unit more per unit).
+
+    Gradients: exact under ``torch.func.grad`` / ``vjp`` / ``jvp`` / ``vmap`` and
+    ``.backward()`` (blocks as leaf tensors), uneven and empty blocks included; they come back
+    as blocks (GlobalTensors of the same layout, or blocks of the map's input). Per-rank peak:
+    the blocks, the rest's gathered parameters, two gathered units (the one computing and the
+    next) and the activations. Under ``torch.func.grad`` what runs outside the units (the loss)
+    keeps its graph until the whole gradient is done: put it in :func:`pshard.checkpoint` too to
+    free those activations, as ``.backward()`` would.
 
     Args:
         module: the model. Its own parameters are not used where ``params`` has a value (they
@@ -371,16 +240,22 @@ def sharded_call(
             for whole tensors); ignored for GlobalTensors, which carry their own.
         units: module classes or a predicate ``module -> bool`` choosing the units; default the
             repeated blocks (children of a ``ModuleList`` whose class occurs twice or more).
+        param_dtype: the dtype parameters are gathered and computed in; ``None``: their own.
+        reduce_dtype: the dtype the weights' cotangents are reduced (or sliced) in; ``None``:
+            ``param_dtype``.
+        prefetch: issue the next unit's gather ahead (see above).
+        reshard_after_forward: gather each unit again in the backward (``False``: keep it).
 
     Returns:
         What ``module`` returns.
 
     Raises:
-        TypeError: ``units``, a spec (``Shard(d)`` does not name the axes) or a value of
-            ``params`` of the wrong kind.
+        TypeError: ``units``, a spec (``Shard(d)`` does not name the axes), a value of
+            ``params``, a dtype or a flag of the wrong kind.
         ValueError: a name of ``params`` that is not a parameter or buffer of ``module``, a
             block whose shape is not this rank's block of the parameter under its spec, a
-            GlobalTensor or whole tensor of another shape than the module's parameter.
+            GlobalTensor or whole tensor of another shape than the module's parameter, a dtype
+            that is not floating-point.
 
     Example:
         >>> import torch, pshard as ps
@@ -390,6 +265,9 @@ def sharded_call(
         >>> out = ps.sharded_call(model, params, (torch.ones(3, 4),))
         >>> torch.allclose(out, model(torch.ones(3, 4)))
         True
+        >>> out = ps.sharded_call(model, params, (torch.ones(3, 4),), param_dtype=torch.bfloat16)
+        >>> out.dtype, params["0.weight"].dtype
+        (torch.bfloat16, torch.float32)
     """
     policy = ShardedCallPolicy.of(param_dtype, reduce_dtype, prefetch, reshard_after_forward)
     kwargs = dict(kwargs or {})
@@ -426,9 +304,9 @@ def sharded_call(
     plans = {n: _block_plan(n, v, by_name[n], tuple(own[n].shape)) for n, v in params.items()}
     is_param = {n for n, _ in module.named_parameters(remove_duplicate=False)}
 
-    def gathered(names: list[str]) -> _Gathered:
+    def gathered(names: list[str]) -> Gathered:
         dtypes = [_local(params[n]).dtype for n in names]
-        return _Gathered([plans[n] for n in names], dtypes, policy, [n in is_param for n in names])
+        return Gathered([plans[n] for n in names], dtypes, policy, [n in is_param for n in names])
 
     def own_value(name: str) -> torch.Tensor:  # a parameter params does not give: cast
         value = own[name]
@@ -484,18 +362,18 @@ def sharded_call(
     for u, (g, (prefix, unit, mine, blocks, extras)) in enumerate(
         zip(groups, entries, strict=True)
     ):
-        run = _UnitCall(
+        run = UnitCall(
             unit,
             f"{_FN} unit {prefix!r} ({type(unit).__name__})",
             [n[len(prefix) + 1 :] for n in mine],
             g,
             UnitSlot(schedule, u, blocks[0].device) if policy.prefetch else None,
         )
-        calls[id(unit)] = (unit, _UnitEntry(run, u, blocks, extras, schedule, policy))
+        calls[id(unit)] = (unit, UnitEntry(run, u, blocks, extras, schedule, policy))
     args, kwargs = policy.cast_inputs((args, kwargs))
     kwargs = dict(kwargs)
     try:
-        with _installed(calls):
+        with installed(calls):
             schedule.issue(0 if entries else None)
             out = torch.func.functional_call(module, rest, args, kwargs, strict=False)
     except BaseException:
