@@ -581,7 +581,7 @@ def main() -> None:
                 ))  # fmt: skip
         if ("pshard", policy) in results and ref is not None:
             one = _ratio(med("pshard", policy, "peak"), med(*ref, "peak"))
-            rows.append(("pshard / one process, peak", policy, one, "<= 0.3"))
+            rows.append(("pshard / one process (float32), peak", policy, one, "<= 0.3"))
     if len(args.policies) > 1 and all(("pshard", p) in results for p in args.policies[:2]):
         a, b = (results["pshard", p][-1]["gathers"] for p in args.policies[:2])
         rows.append((f"pshard all-gather bytes, {args.policies[1]} / {args.policies[0]}", "",
