@@ -397,12 +397,18 @@ def _gather_one(
     return out
 
 
-def block_plan(x: GlobalTensor, where: str, fn: str) -> BlockPlan:
+def block_plan(
+    x: GlobalTensor, where: str, fn: str, views: dict[Any, MeshView] | None = None
+) -> BlockPlan:
     """How :func:`pshard._collectives.cast_gather.cast_gather` gathers the block of ``x`` into
     its whole value, and the transpose of :func:`gather` (this rank's block of the replicated
     cotangent, checked to be the same on every rank in debug mode): the levels of
-    :func:`gather`'s one all-gather, one mesh axis at a time (the innermost split first)."""
-    view = _view(x.meta.mesh, fn)
+    :func:`gather`'s one all-gather, one mesh axis at a time (the innermost split first).
+    ``views``: the meshes already resolved in this call, by key."""
+    views = {} if views is None else views
+    view = views.get(x.meta.key)
+    if view is None:
+        view = views[x.meta.key] = _view(x.meta.mesh, fn)
     _check_local(x, fn, where, view)
     back = global_layout(x.meta, view, where).back_check if view.debug else None
     splits = [(view.comm((axis,)) or _single(axis), p) for axis, p in applied_shards(x.spec)]

@@ -116,13 +116,15 @@ def _axes_of(spec: Any, name: str) -> list[tuple[str, Shard | StridedShard]]:
     )
 
 
-def _block_plan(name: str, value: Any, spec: Any, whole: tuple[int, ...]) -> BlockPlan:
+def _block_plan(
+    name: str, value: Any, spec: Any, whole: tuple[int, ...], views: dict[Any, Any]
+) -> BlockPlan:
     """How the value of ``params[name]`` becomes the whole parameter: a GlobalTensor over its
     own mesh (the transpose slices), a block inside a map over its spec's axes (the transpose
     reduce-scatters; uneven blocks padded; inside ``tensor_parallel`` the kept axes' splits
     stay), a whole tensor as it is."""
     if is_global(value):
-        return block_plan(value, f"params[{name!r}]", _FN)
+        return block_plan(value, f"params[{name!r}]", _FN, views)
     pairs = _axes_of(spec, name)
     if not pairs:
         return BlockPlan(whole, whole, ())
@@ -301,7 +303,10 @@ def sharded_call(
     # every parameter or buffer given, under its name and its tied aliases
     given = {alias: n for n in params for alias in shared.get(n, (n,))}
     members: dict[str, list[str]] = {p: [] for p, _ in unit_list}
-    plans = {n: _block_plan(n, v, by_name[n], tuple(own[n].shape)) for n, v in params.items()}
+    views: dict[Any, Any] = {}  # GlobalTensors' meshes, resolved once a call
+    plans = {
+        n: _block_plan(n, v, by_name[n], tuple(own[n].shape), views) for n, v in params.items()
+    }
     is_param = {n for n, _ in module.named_parameters(remove_duplicate=False)}
 
     def gathered(names: list[str]) -> Gathered:
@@ -346,13 +351,12 @@ def sharded_call(
         [(g.plan, [blocks[i] for i in g.work]) for g, (*_, blocks, _) in zip(groups, entries,
                                                                            strict=True)],
         prefetch=policy.prefetch,
-        regather=policy.reshard_after_forward,
     )  # fmt: skip
     differentiated = torch.is_grad_enabled() or compat.transforms_active()
-    if policy.prefetch and differentiated and any(g.work for g in groups):
+    work = [e[3][i] for g, e in zip(groups, entries, strict=True) for i in g.work]
+    if policy.prefetch and differentiated and work and schedule.can_defer(work[0].device):
         # every unit's blocks pass the gate, whose backward comes after all of theirs
-        flat = [b for g, e in zip(groups, entries, strict=True) for b in (e[3][i] for i in g.work)]
-        it = iter(gate(schedule, flat))
+        it = iter(gate(schedule, work))
         for g, e in zip(groups, entries, strict=True):
             for i in g.work:
                 e[3][i] = next(it)

@@ -52,14 +52,13 @@ class _Unit:
 class UnitSchedule:
     """The gathers and scatters of one call's units (see the module docs).
 
-    ``units``: each unit's plan and blocks, in the model's order; ``prefetch``: overlap at all;
-    ``regather``: the backward gathers the weights again (``reshard_after_forward``)."""
+    ``units``: each unit's plan and blocks, in the model's order; ``prefetch``: overlap at all."""
 
-    def __init__(self, units: Sequence[tuple[UnitPlan, list[torch.Tensor]]], *, prefetch: bool,
-                 regather: bool) -> None:  # fmt: skip
+    def __init__(
+        self, units: Sequence[tuple[UnitPlan, list[torch.Tensor]]], *, prefetch: bool
+    ) -> None:
         self.units = [_Unit(plan, blocks) for plan, blocks in units]
         self.prefetch = prefetch
-        self.regather = regather
         self.order: list[int] = []  # the units in the order the forward called them
         self.gathers: dict[int, PendingGather] = {}
         self.scatters: list[tuple[int, PendingScatter]] = []
@@ -125,6 +124,10 @@ class UnitSchedule:
         return self.streams[key]
 
     # --- scatters -----------------------------------------------------------------------------
+
+    def can_defer(self, device: torch.device) -> bool:
+        """Whether scatters on ``device`` may be left in flight at all (an accelerator)."""
+        return self.prefetch and self.side("scatter", device).active
 
     def defers(self, u: int, device: torch.device) -> SideStream | None:
         """The stream to issue unit ``u``'s scatter on if it may be left in flight: on an
