@@ -1,8 +1,8 @@
 """FSDP2 (``fully_shard``) against pshard's functional FSDP and one process, side by side.
 
-The model: ``--layers`` blocks of ``Linear(W, W)`` + GELU (width ``--width``, float32) in an
-``nn.ModuleList``, loss the mean squared error against a target, ``--rows`` rows in all, the
-same AdamW (lr 1e-3, weight decay 0.01) in every configuration. Three configurations, each in
+The model: ``--layers`` blocks of ``Linear(W, W)`` + GELU (width ``--width``, float32 masters)
+in an ``nn.ModuleList``, loss the mean squared error against a target, ``--rows`` rows in all,
+the same AdamW (lr 1e-3, weight decay 0.01) in every configuration. The configurations, each in
 fresh processes started by ``ps.spawn`` (gloo, CPU; ``ps.spawn``'s threads: one per rank on
 this 2-core machine, two for the one process):
 
@@ -13,12 +13,17 @@ this 2-core machine, two for the one process):
   ``P("dp")``, the data ``P("dp")``, a ``shard_map`` over ``"dp"`` whose body calls
   ``ps.sharded_call(model_on_meta, blocks, (x,), specs=P("dp"))``, ``torch.func.grad``, and
   AdamW applied to the blocks with ``optree.tree_map``;
-- **one process** holding the whole model: ``torch.func.grad`` of ``functional_call`` and the
-  same AdamW.
+- **one process** holding the whole model (float32): ``torch.func.grad`` of
+  ``functional_call`` and the same AdamW.
+
+Each sharded configuration runs under every ``--policies``: ``float32``, and ``bfloat16``
+(FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``,
+``sharded_call``'s ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``: float32 masters
+and moments, bfloat16 gathers and compute, float32 reduction).
 
 The AdamW of pshard and of the one process is ``torch.optim.AdamW``'s single-tensor update
-written out (in place on the blocks, the same ops in the same order), so the three loss curves
-agree to the rounding of the matmuls and the collectives' sums: the script prints the largest
+written out (in place on the blocks, the same ops in the same order), so the loss curves agree
+to the rounding of the matmuls and the collectives' sums: the script prints the largest
 difference from the one process's losses.
 
 Measured per rank, as ``benchmarks/global_memory.py`` does (``MALLOC_MMAP_THRESHOLD_=131072``
@@ -30,25 +35,30 @@ its block):
   before the model was built, the largest over the ranks;
 - ``held``: resident size after the steps minus the same baseline (parameters and AdamW state);
 - ``step``: the median over the steps after the first (the warm-up) of one rank's step time
-  (forward, backward, optimizer), the median over the ranks.
+  (forward, backward, optimizer), the median over the ranks;
+- all-gathers: what rank 0 hands to all-gathers in the last step (the input of each
+  ``all_gather_single``, or the block each pairwise gather sends): their number and bytes.
 
 ``--rounds`` repeats the configurations, interleaved, and reports medians. Step times taken
 in separate runs move with the load of a shared machine (by 2x between runs here), so the time
-ratio comes from ``--pairs`` paired steps: FSDP2 and pshard built in the same ``--nprocs``
-processes, their steps alternating (the order swapped each pair) after one warm-up step each;
-the ratio is the median over the pairs of each pair's pshard / FSDP2 (median over the ranks).
+ratios come from ``--pairs`` rounds of paired steps per policy: FSDP2, pshard and pshard with
+``prefetch=False`` built in the same ``--nprocs`` processes, their steps taking turns (the
+order rotated each round) after one warm-up step each; each ratio (pshard / FSDP2, pshard with /
+without prefetch) is the median over the rounds of that round's ratio (median over the ranks).
 
-Two more configurations, for the analysis in ``benchmarks/README.md`` (``--modes``):
-``pshard-ckloss``, pshard with the loss (after ``sharded_call``) inside ``ps.checkpoint``, and
-``one-backward``, one process with ``.backward()`` and ``torch.optim.AdamW``. ``--where``
-prints rank 0's Python stack at its memory peak, ``--profile`` a profile of its last step.
+More configurations for the analysis in ``benchmarks/README.md`` (``--modes``):
+``pshard-ckloss``, pshard with the loss (after ``sharded_call``) inside ``ps.checkpoint``;
+``pshard-noprefetch``; ``pshard-zero2`` (``reshard_after_forward=False``); ``one-backward``,
+one process with ``.backward()`` and ``torch.optim.AdamW``. ``--where`` prints rank 0's Python
+stack at its memory peak, ``--profile`` a profile of its last step.
 
-Targets (issue 29): pshard's peak at most FSDP2's and at most 0.3x the one process's; pshard's
-step at most 1.2x FSDP2's.
+Targets (issue 36): pshard's peak at most FSDP2's under both policies and at most 0.3x the one
+process's; pshard's step at most 0.9x FSDP2's with prefetch; bfloat16 gathers half the bytes.
 
     python benchmarks/fsdp.py [--width 2048] [--layers 8] [--rows 8192] [--steps 3]
         [--nprocs 4] [--rounds 1] [--pairs 4] [--modes fsdp2 pshard one pshard-ckloss
-        one-backward] [--where] [--profile]
+        pshard-noprefetch pshard-zero2 one-backward] [--policies float32 bfloat16]
+        [--where] [--profile]
 """
 
 from __future__ import annotations
