@@ -66,7 +66,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-10), (a, b)
 
 
-def _block(x: torch.Tensor, g: ps.GlobalTensor) -> torch.Tensor:
+def block(x: torch.Tensor, g: ps.GlobalTensor) -> torch.Tensor:
+    """``x``'s elements that ``g``'s block holds on this rank."""
     mesh = g.mesh
     runs = block_runs(g.meta, {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names})
     for d, r in enumerate(runs):
@@ -77,7 +78,7 @@ def _block(x: torch.Tensor, g: ps.GlobalTensor) -> torch.Tensor:
 def _check(grads: dict, ref: dict, params: dict) -> None:
     for k, g in grads.items():
         assert isinstance(g, ps.GlobalTensor) and g.meta == params[k].meta, k
-        _close(g.local, _block(ref[k], g))
+        _close(g.local, block(ref[k], g))
 
 
 class _Counter(TorchDispatchMode):
@@ -116,7 +117,7 @@ def _outside_worker(nprocs: int) -> int:
     }
     loss(leaves).backward()
     for k, v in leaves.items():
-        _close(v.local.grad, _block(ref[k], v))
+        _close(v.local.grad, block(ref[k], v))
     if nprocs == 1:
         return 0
     # gathers: embed and head (the rest) once; each of 3 blocks' 3 tensors in the forward and

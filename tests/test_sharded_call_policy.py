@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_sharded_call import block
 from torch.func import functional_call, grad
 
 import pshard as ps
-from pshard._core.global_tensor import block_runs
 from pshard._runtime.transport import ThreadGroup
 
 f32, bf16 = torch.float32, torch.bfloat16
@@ -72,14 +72,6 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return (out.float() ** 2).sum()
 
 
-def _block(x: torch.Tensor, g: ps.GlobalTensor) -> torch.Tensor:
-    mesh = g.mesh
-    runs = block_runs(g.meta, {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names})
-    for d, r in enumerate(runs):
-        x = x.index_select(d, torch.tensor([i for run in r for i in run], dtype=torch.long))
-    return x
-
-
 # set by a rank around what it counts (ps.shard's own exchanges are not)
 _COUNTING: contextvars.ContextVar[bool] = contextvars.ContextVar("test_counting", default=False)
 
@@ -126,7 +118,7 @@ def _outside_worker(nprocs: int) -> None:
     want = grad(lambda w: _loss(_by_hand(model, w, x)))(whole)
     for k, g in got.items():
         assert g.local.dtype == f32 and g.meta == params[k].meta, k
-        assert torch.equal(g.local, _block(want[k], g)), k
+        assert torch.equal(g.local, block(want[k], g)), k
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])
@@ -160,7 +152,7 @@ def _inside_worker(nprocs: int, reduce_dtype: torch.dtype | None) -> None:
         for part in parts[1:]:  # in rank order, as the in-process ranks reduce
             total = (total.float() + part[k].to(bf16).float()).to(reduce_dtype or bf16)
         assert g.local.dtype == f32, k
-        torch.testing.assert_close(g.local, _block(total.float(), g), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g.local, block(total.float(), g), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(("nprocs", "reduce_dtype"), [(2, f32), (4, None)])
@@ -249,7 +241,7 @@ def _overlap_worker(nprocs: int, inside: bool) -> None:
         for k, g in zip(sorted(params), out[:half], strict=False):
             # block 0's two calls' gradients add up in float32 here, in bfloat16 by hand
             tol = 1e-2 if k.startswith("blocks.0.") else 0.0
-            torch.testing.assert_close(g, _block(want[k], params[k]), rtol=tol, atol=tol)
+            torch.testing.assert_close(g, block(want[k], params[k]), rtol=tol, atol=tol)
 
 
 @contextlib.contextmanager
@@ -331,7 +323,7 @@ def _transforms_worker(inside: bool) -> None:
         got_h = hvp(params, tangents, lambda p: loss(p, x))
         want_h = hvp(whole, tangent, lambda w: one(w, x))
         for k, g in got_h.items():
-            close(g.local, _block(want_h[k], g))
+            close(g.local, block(want_h[k], g))
         xs = torch.randn(3, 2, 4, dtype=torch.float64)
         if not inside:  # vmap over the data with the parameters held by every example
             close(torch.func.vmap(loss, in_dims=(None, 0))(params, xs),
@@ -339,7 +331,7 @@ def _transforms_worker(inside: bool) -> None:
         per_example = torch.func.vmap(grad(loss), in_dims=(None, 0))(params, xs)
         want_e = torch.func.vmap(grad(one), in_dims=(None, 0))(whole, xs)
         for k, g in per_example.items():
-            close(g.local, _block(want_e[k].movedim(0, -1), g).movedim(-1, 0))
+            close(g.local, block(want_e[k].movedim(0, -1), g).movedim(-1, 0))
 
 
 @pytest.mark.parametrize("inside", [False, True])

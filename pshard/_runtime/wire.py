@@ -185,7 +185,9 @@ def gather_into(buf: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup |
     if size > 1 and pairwise(inp, group):
         me = dist.get_rank(group)
         buf[me].copy_(inp)
-        _shifted(me, size, lambda g: _global(group, g), [inp], [[b] for b in buf], group)
+        wait(
+            _shifted_start(me, size, lambda g: _global(group, g), [inp], [[b] for b in buf], group)
+        )
         return
     _all_gather_flat(buf.view(-1), inp.view(-1), group=group)  # flat: any backend, no copy
 
@@ -212,19 +214,7 @@ def gather_parts(
         check_collective("all_gather", c.group, c.name, x)
     for dst, src in zip(recv[c.rank], send, strict=True):
         dst.copy_(src)
-    _shifted(c.rank, c.size, lambda i: _peer(c, i), send, recv, c.group)
-
-
-def _shifted(
-    me: int,
-    size: int,
-    peer: Callable[[int], int],
-    send: Sequence[torch.Tensor],
-    recv: Sequence[Sequence[torch.Tensor]],
-    group: dist.ProcessGroup | None,
-) -> None:
-    """One batch of sends and receives with shifted partners, waited for: :func:`_shifted_start`."""
-    wait(_shifted_start(me, size, peer, send, recv, group))
+    wait(_shifted_start(c.rank, c.size, lambda i: _peer(c, i), send, recv, c.group))
 
 
 def _shifted_start(
