@@ -14,8 +14,9 @@ the reduction would run in the compute dtype.
 
 Rules, as for the other collectives: each Function's ``backward`` is the other one (so
 ``grad`` of ``grad`` works), ``jvp`` runs the same Function on the tangents (both are linear),
-``vmap`` runs it on each block with the batch dim in front. The rules never pass a slot: only
-the primal call of a unit takes a prefetched gather or defers its scatter.
+``vmap`` runs it on each block with the batch dim in front. Only the primal call of a unit
+takes a prefetched gather or defers its scatter: the rules pass no slot, but for ``vmap`` over
+other inputs, where the blocks are the primal ones.
 
 Overlap (:class:`Slot`, given by ``sharded_call``'s schedule): a unit's gathers may have been
 issued ahead (:class:`PendingGather`, from :func:`gather_start`); the forward then takes them
