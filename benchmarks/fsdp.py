@@ -1,8 +1,8 @@
 """FSDP2 (``fully_shard``) against pshard's functional FSDP and one process, side by side.
 
-The model: ``--layers`` blocks of ``Linear(W, W)`` + GELU (width ``--width``, float32) in an
-``nn.ModuleList``, loss the mean squared error against a target, ``--rows`` rows in all, the
-same AdamW (lr 1e-3, weight decay 0.01) in every configuration. Three configurations, each in
+The model: ``--layers`` blocks of ``Linear(W, W)`` + GELU (width ``--width``, float32 masters)
+in an ``nn.ModuleList``, loss the mean squared error against a target, ``--rows`` rows in all,
+the same AdamW (lr 1e-3, weight decay 0.01) in every configuration. The configurations, each in
 fresh processes started by ``ps.spawn`` (gloo, CPU; ``ps.spawn``'s threads: one per rank on
 this 2-core machine, two for the one process):
 
@@ -13,12 +13,17 @@ this 2-core machine, two for the one process):
   ``P("dp")``, the data ``P("dp")``, a ``shard_map`` over ``"dp"`` whose body calls
   ``ps.sharded_call(model_on_meta, blocks, (x,), specs=P("dp"))``, ``torch.func.grad``, and
   AdamW applied to the blocks with ``optree.tree_map``;
-- **one process** holding the whole model: ``torch.func.grad`` of ``functional_call`` and the
-  same AdamW.
+- **one process** holding the whole model (float32): ``torch.func.grad`` of
+  ``functional_call`` and the same AdamW.
+
+Each sharded configuration runs under every ``--policies``: ``float32``, and ``bfloat16``
+(FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``,
+``sharded_call``'s ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``: float32 masters
+and moments, bfloat16 gathers and compute, float32 reduction).
 
 The AdamW of pshard and of the one process is ``torch.optim.AdamW``'s single-tensor update
-written out (in place on the blocks, the same ops in the same order), so the three loss curves
-agree to the rounding of the matmuls and the collectives' sums: the script prints the largest
+written out (in place on the blocks, the same ops in the same order), so the loss curves agree
+to the rounding of the matmuls and the collectives' sums: the script prints the largest
 difference from the one process's losses.
 
 Measured per rank, as ``benchmarks/global_memory.py`` does (``MALLOC_MMAP_THRESHOLD_=131072``
@@ -30,25 +35,30 @@ its block):
   before the model was built, the largest over the ranks;
 - ``held``: resident size after the steps minus the same baseline (parameters and AdamW state);
 - ``step``: the median over the steps after the first (the warm-up) of one rank's step time
-  (forward, backward, optimizer), the median over the ranks.
+  (forward, backward, optimizer), the median over the ranks;
+- all-gathers: what rank 0 hands to all-gathers in the last step (the input of each
+  ``all_gather_single``, or the block each pairwise gather sends): their number and bytes.
 
 ``--rounds`` repeats the configurations, interleaved, and reports medians. Step times taken
 in separate runs move with the load of a shared machine (by 2x between runs here), so the time
-ratio comes from ``--pairs`` paired steps: FSDP2 and pshard built in the same ``--nprocs``
-processes, their steps alternating (the order swapped each pair) after one warm-up step each;
-the ratio is the median over the pairs of each pair's pshard / FSDP2 (median over the ranks).
+ratios come from ``--pairs`` rounds of paired steps per policy: FSDP2, pshard and pshard with
+``prefetch=False`` built in the same ``--nprocs`` processes, their steps taking turns (the
+order rotated each round) after one warm-up step each; each ratio (pshard / FSDP2, pshard with /
+without prefetch) is the median over the rounds of that round's ratio (median over the ranks).
 
-Two more configurations, for the analysis in ``benchmarks/README.md`` (``--modes``):
-``pshard-ckloss``, pshard with the loss (after ``sharded_call``) inside ``ps.checkpoint``, and
-``one-backward``, one process with ``.backward()`` and ``torch.optim.AdamW``. ``--where``
-prints rank 0's Python stack at its memory peak, ``--profile`` a profile of its last step.
+More configurations for the analysis in ``benchmarks/README.md`` (``--modes``):
+``pshard-ckloss``, pshard with the loss (after ``sharded_call``) inside ``ps.checkpoint``;
+``pshard-noprefetch``; ``pshard-zero2`` (``reshard_after_forward=False``); ``one-backward``,
+one process with ``.backward()`` and ``torch.optim.AdamW``. ``--where`` prints rank 0's Python
+stack at its memory peak, ``--profile`` a profile of its last step.
 
-Targets (issue 29): pshard's peak at most FSDP2's and at most 0.3x the one process's; pshard's
-step at most 1.2x FSDP2's.
+Targets (issue 36): pshard's peak at most FSDP2's under both policies and at most 0.3x the one
+process's; pshard's step at most 0.9x FSDP2's with prefetch; bfloat16 gathers half the bytes.
 
     python benchmarks/fsdp.py [--width 2048] [--layers 8] [--rows 8192] [--steps 3]
         [--nprocs 4] [--rounds 1] [--pairs 4] [--modes fsdp2 pshard one pshard-ckloss
-        one-backward] [--where] [--profile]
+        pshard-noprefetch pshard-zero2 one-backward] [--policies float32 bfloat16]
+        [--where] [--profile]
 """
 
 from __future__ import annotations
@@ -72,9 +82,13 @@ MODES = {
     "pshard": ("pshard", True),
     "one": ("one process", False),
     "pshard-ckloss": ("pshard, loss in ps.checkpoint", True),
+    "pshard-noprefetch": ("pshard, prefetch=False", True),
+    "pshard-zero2": ("pshard, reshard_after_forward=False", True),
     "one-backward": ("one process, .backward()", False),
 }
 DEFAULT_MODES = ("fsdp2", "pshard", "one")
+# policy -> (param_dtype, reduce_dtype) names: FSDP2's MixedPrecisionPolicy and sharded_call's
+POLICIES = {"float32": (None, None), "bfloat16": ("bfloat16", "float32")}
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -199,9 +213,18 @@ def _place(mode: str, rows: int, width: int) -> tuple[Any, Any]:
     return x_whole.chunk(n)[rank].clone(), y_whole.chunk(n)[rank].clone()
 
 
-def _setup(mode: str, data: tuple[Any, Any], width: int, layers: int, rows: int) -> tuple[Any, Any]:
-    """Builds ``mode``'s model and optimizer state on this rank; returns ``step(i) -> loss``
-    (the ``i``-th AdamW step, from 1) and ``state() -> tensors`` (parameters and moments)."""
+def _dtypes(policy: str) -> tuple[Any, Any]:
+    import torch
+
+    return tuple(None if d is None else getattr(torch, d) for d in POLICIES[policy])
+
+
+def _setup(
+    mode: str, policy: str, data: tuple[Any, Any], width: int, layers: int, rows: int
+) -> tuple[Any, Any]:
+    """Builds ``mode``'s model and optimizer state on this rank under the dtype ``policy``;
+    returns ``step(i) -> loss`` (the ``i``-th AdamW step, from 1) and ``state() -> tensors``
+    (parameters and moments)."""
     import optree
     import torch
     import torch.distributed as dist
@@ -212,13 +235,15 @@ def _setup(mode: str, data: tuple[Any, Any], width: int, layers: int, rows: int)
     x, y = data
     model = _model(width, layers)
     shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    param_dtype, reduce_dtype = _dtypes(policy)
     if mode in ("fsdp2", "one-backward"):
         if mode == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
             for block in model.blocks:
-                fully_shard(block, mesh=ps.current_mesh())
-            fully_shard(model, mesh=ps.current_mesh())
+                fully_shard(block, mesh=ps.current_mesh(), mp_policy=mp)
+            fully_shard(model, mesh=ps.current_mesh(), mp_policy=mp)
         _init_module(model, shapes, n, rank)
         opt = torch.optim.AdamW(
             model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
@@ -249,12 +274,18 @@ def _setup(mode: str, data: tuple[Any, Any], width: int, layers: int, rows: int)
     total = rows * width
 
     def tail(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ps.psum(((out - y) ** 2).sum(), "dp") / total
+        return ps.psum(((out - y) ** 2).sum(), "dp") / total  # bfloat16 out: float32 loss
 
     if mode.startswith("pshard"):
+        policy_kw = {
+            "param_dtype": param_dtype,
+            "reduce_dtype": reduce_dtype,
+            "prefetch": mode != "pshard-noprefetch",
+            "reshard_after_forward": mode != "pshard-zero2",
+        }
 
         def body(params: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            out = ps.sharded_call(model, params, (x,), specs=ps.P("dp"))
+            out = ps.sharded_call(model, params, (x,), specs=ps.P("dp"), **policy_kw)
             return ps.checkpoint(tail)(out, y) if mode == "pshard-ckloss" else tail(out, y)
 
         loss_fn = ps.shard_map(
@@ -280,11 +311,58 @@ def _setup(mode: str, data: tuple[Any, Any], width: int, layers: int, rows: int)
     return step, state
 
 
+class _Wire:
+    """Counts the bytes this rank hands to all-gathers (gloo's own all-gather, or the pairwise
+    sends pshard's wire makes of large CPU blocks), the collectives' inputs as FSDP2 and pshard
+    call them: what goes out on the wire from this rank, per gather."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        from pshard._runtime import wire
+
+        self.bytes: list[int] = []
+        names = [(dist, "all_gather_into_tensor"), (dist, "all_gather_single")]
+        names += [(wire, "_all_gather_flat"), (dist, "batch_isend_irecv")]
+        self._saved = [(owner, name, getattr(owner, name)) for owner, name in names
+                       if hasattr(owner, name)]  # fmt: skip
+
+        def gather(fn: Any) -> Any:
+            def counted(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+                self.bytes.append(input.numel() * input.element_size())
+                return fn(output, input, *args, **kwargs)
+
+            return counted
+
+        def sends(fn: Any) -> Any:
+            def counted(ops: Any) -> Any:
+                sent = [op.tensor for op in ops if op.op is dist.isend]
+                if sent:  # one pairwise gather: this rank's block to every other rank
+                    self.bytes.append(sent[0].numel() * sent[0].element_size())
+                return fn(ops)
+
+            return counted
+
+        for owner, name, fn in self._saved:  # each caller counted once, by its own entry
+            setattr(owner, name, sends(fn) if name == "batch_isend_irecv" else gather(fn))
+
+    def close(self) -> None:
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+
 def run(
-    mode: str, width: int, layers: int, rows: int, steps: int, profile: bool, where: bool
+    mode: str,
+    policy: str,
+    width: int,
+    layers: int,
+    rows: int,
+    steps: int,
+    profile: bool,
+    where: bool,
 ) -> dict:
-    """One configuration in fresh processes: ``steps`` AdamW steps, their losses, times and
-    this rank's memory."""
+    """One configuration in fresh processes: ``steps`` AdamW steps, their losses, times, this
+    rank's memory and the bytes it handed to all-gathers in the last step."""
     import torch
     import torch.distributed as dist
 
@@ -298,17 +376,22 @@ def run(
     trim()
     base = rss_mib()  # everything below is counted
     watch = _PeakWatch(base) if where and rank == 0 else None
-    step, state = _setup(mode, data, width, layers, rows)
+    step, state = _setup(mode, policy, data, width, layers, rows)
     times: list[float] = []
     losses: list[float] = []
     prof = None
+    wire = None
     for i in range(1, steps + 1):
         if profile and rank == 0 and i == steps:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
+        if i == steps and MODES[mode][1]:
+            wire = _Wire()
         start = time.perf_counter()
         losses.append(float(step(i)))
         times.append(time.perf_counter() - start)
+    if wire is not None:
+        wire.close()
     if prof is not None:
         prof.__exit__(None, None, None)
     peak = peak_mib() - base
@@ -320,6 +403,7 @@ def run(
         "peak": peak,
         "held": rss_mib() - base,
         "state": state_mib,
+        "gathers": [] if wire is None else wire.bytes,
     }
     if watch is not None:
         out["where"] = watch.stop()
@@ -328,26 +412,36 @@ def run(
     return out
 
 
-def run_paired(width: int, layers: int, rows: int, pairs: int) -> dict:
-    """FSDP2 and pshard in the same processes, their steps alternating (the order swapped from
-    one pair to the next), so that both see the same load: each one's step times after one
-    warm-up step each, and the ratio pshard / FSDP2 of each pair."""
+PAIRED = ("fsdp2", "pshard", "pshard-noprefetch")
+
+
+def run_paired(policy: str, width: int, layers: int, rows: int, pairs: int) -> dict:
+    """FSDP2, pshard and pshard without prefetch in the same processes, their steps taking
+    turns (the order rotated from one round to the next), so that all see the same load: each
+    one's step times after one warm-up step each, and per round the ratios pshard / FSDP2 and
+    pshard / pshard without prefetch."""
     import torch.distributed as dist
 
     import pshard as ps
 
     ps.init_mesh({"dp": dist.get_world_size()})
-    fsdp2, _ = _setup("fsdp2", _place("fsdp2", rows, width), width, layers, rows)
-    pshard, _ = _setup("pshard", _place("pshard", rows, width), width, layers, rows)
-    times: dict[str, list[float]] = {"fsdp2": [], "pshard": []}
+    steps = {
+        mode: _setup(mode, policy, _place(mode, rows, width), width, layers, rows)[0]
+        for mode in PAIRED
+    }
+    times: dict[str, list[float]] = {mode: [] for mode in PAIRED}
     for i in range(1, pairs + 2):
-        order = [("fsdp2", fsdp2), ("pshard", pshard)]
-        for name, step in order if i % 2 else order[::-1]:
+        k = i % len(PAIRED)
+        for mode in PAIRED[k:] + PAIRED[:k]:
             start = time.perf_counter()
-            float(step(i))
-            times[name].append(time.perf_counter() - start)
-    ratios = [p / f for p, f in zip(times["pshard"][1:], times["fsdp2"][1:], strict=True)]
-    return {"fsdp2": times["fsdp2"][1:], "pshard": times["pshard"][1:], "ratios": ratios}
+            float(steps[mode](i))
+            times[mode].append(time.perf_counter() - start)
+    t = {mode: ts[1:] for mode, ts in times.items()}
+    return {
+        **t,
+        "vs_fsdp2": [p / f for p, f in zip(t["pshard"], t["fsdp2"], strict=True)],
+        "prefetch": [p / q for p, q in zip(t["pshard"], t["pshard-noprefetch"], strict=True)],
+    }
 
 
 def _ratio(a: float, b: float) -> str:
@@ -363,9 +457,14 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(
-        "--pairs", type=int, default=4, help="paired FSDP2 / pshard steps timed (0: none)"
+        "--pairs", type=int, default=4, help="paired rounds of steps timed (0: none)"
     )
     parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=list(MODES))
+    parser.add_argument(
+        "--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
+        help="dtype policies of the sharded configurations (FSDP2's MixedPrecisionPolicy and "
+        "sharded_call's param_dtype / reduce_dtype); one process runs in float32",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="profile rank 0's last step")
     parser.add_argument(
         "--where", action="store_true", help="rank 0's Python stack at its memory peak"
@@ -376,16 +475,23 @@ def main() -> None:
 
     n_params = args.layers * (args.width * args.width + args.width)
     print(
-        f"MLP: {args.layers} x (Linear({args.width}, {args.width}) + GELU), float32, "
+        f"MLP: {args.layers} x (Linear({args.width}, {args.width}) + GELU), float32 masters, "
         f"{n_params * 4 / 2**20:.1f} MiB of parameters; {args.rows} rows, MSE; AdamW; "
         f"{args.steps} steps (the first a warm-up); {args.nprocs} gloo ranks"
     )
-    results: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    configs = [
+        (mode, policy)
+        for policy in args.policies
+        for mode in args.modes
+        if MODES[mode][1] or policy == args.policies[0]
+    ]
+    results: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
     for r in range(args.rounds):
-        for mode in args.modes:
+        for mode, policy in configs:
             nprocs = args.nprocs if MODES[mode][1] else 1
+            pol = policy if MODES[mode][1] else "float32"
             ranks = ps.spawn(
-                run, mode, args.width, args.layers, args.rows, args.steps, args.profile,
+                run, mode, pol, args.width, args.layers, args.rows, args.steps, args.profile,
                 args.where, nprocs=nprocs, timeout=3600,
             )  # fmt: skip
             summary = {
@@ -397,12 +503,14 @@ def main() -> None:
                 "losses": [
                     statistics.fmean(ls) for ls in zip(*(x["losses"] for x in ranks), strict=True)
                 ],
+                "gathers": ranks[0]["gathers"],
             }
-            results[mode].append(summary)
+            results[mode, policy].append(summary)
+            sent = sum(summary["gathers"]) / 2**20
             print(
-                f"  round {r + 1}, {MODES[mode][0]}: peak {summary['peak']:.1f} MiB, step "
-                f"{summary['step']:.2f} s, losses "
-                + " ".join(f"{v:.7f}" for v in summary["losses"]),
+                f"  round {r + 1}, {MODES[mode][0]} ({pol}): peak {summary['peak']:.1f} MiB, "
+                f"step {summary['step']:.2f} s, all-gathers {len(summary['gathers'])} sending "
+                f"{sent:.1f} MiB, losses " + " ".join(f"{v:.7f}" for v in summary["losses"]),
                 flush=True,
             )
             for key in ("where", "profile"):
@@ -410,94 +518,86 @@ def main() -> None:
                     if key in x:
                         print(f"{MODES[mode][0]}, rank 0, {key}: {x[key]}")
 
-    paired = None
-    if args.pairs and args.nprocs > 0:
+    paired = {}
+    for policy in args.policies if args.pairs and args.nprocs > 0 else ():
         ranks = ps.spawn(
-            run_paired, args.width, args.layers, args.rows, args.pairs,
+            run_paired, policy, args.width, args.layers, args.rows, args.pairs,
             nprocs=args.nprocs, timeout=3600,
         )  # fmt: skip
-        # the pair's ratio on each rank, the median over the ranks, then over the pairs
-        per_pair = [statistics.median(r) for r in zip(*(x["ratios"] for x in ranks), strict=True)]
-        paired = {
-            "fsdp2": statistics.median(t for x in ranks for t in x["fsdp2"]),
-            "pshard": statistics.median(t for x in ranks for t in x["pshard"]),
-            "ratio": statistics.median(per_pair),
-            "pairs": per_pair,
+        # a round's ratio on each rank, the median over the ranks, then over the rounds
+        per = {
+            key: [statistics.median(r) for r in zip(*(x[key] for x in ranks), strict=True)]
+            for key in ("vs_fsdp2", "prefetch")
         }
+        paired[policy] = {
+            **{m: statistics.median(t for x in ranks for t in x[m]) for m in PAIRED},
+            **{key: statistics.median(v) for key, v in per.items()},
+            "rounds": per,
+        }
+        p = paired[policy]
         print(
-            f"  paired steps in the same processes: FSDP2 {paired['fsdp2']:.2f} s, pshard "
-            f"{paired['pshard']:.2f} s, pshard / FSDP2 per pair "
-            + " ".join(f"{r:.2f}" for r in per_pair),
+            f"  paired steps ({policy}) in the same processes: FSDP2 {p['fsdp2']:.2f} s, "
+            f"pshard {p['pshard']:.2f} s, without prefetch {p['pshard-noprefetch']:.2f} s; "
+            "pshard / FSDP2 per round " + " ".join(f"{r:.2f}" for r in per["vs_fsdp2"])
+            + "; with / without prefetch " + " ".join(f"{r:.2f}" for r in per["prefetch"]),
             flush=True,
-        )
+        )  # fmt: skip
 
-    def med(mode: str, key: str) -> float:
-        return statistics.median(s[key] for s in results[mode]) if mode in results else 0.0
+    def med(mode: str, policy: str, key: str) -> float:
+        runs = results.get((mode, policy))
+        return statistics.median(s[key] for s in runs) if runs else 0.0
 
-    ref = "one" if "one" in results else None
+    first = args.policies[0]
+    ref = ("one", first) if ("one", first) in results else None
     print(
-        "\n| configuration | peak MiB / rank | held MiB | state MiB | step s "
-        "| max abs loss diff from one process |"
+        "\n| configuration | policy | peak MiB / rank | held MiB | state MiB | step s "
+        "| all-gathers a step, MiB sent / rank | max abs loss diff from one process |"
     )
-    print("|---|---|---|---|---|---|")
-    for mode in args.modes:
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, policy in configs:
+        if not results[mode, policy]:
+            continue
         diff = "-"
         if ref is not None:
             diff = "{:.1e}".format(
                 max(
                     abs(a - b)
-                    for s, rs in zip(results[mode], results[ref], strict=True)
+                    for s, rs in zip(results[mode, policy], results[ref], strict=True)
                     for a, b in zip(s["losses"], rs["losses"], strict=True)
                 )
             )
+        g = results[mode, policy][-1]["gathers"]
+        sent = f"{len(g)}, {sum(g) / 2**20:.1f}" if g else "-"
         print(
-            f"| {MODES[mode][0]} | {med(mode, 'peak'):.1f} | {med(mode, 'held'):.1f} | "
-            f"{med(mode, 'state'):.1f} | {med(mode, 'step'):.2f} | {diff} |"
+            f"| {MODES[mode][0]} | {policy if MODES[mode][1] else 'float32'} | "
+            f"{med(mode, policy, 'peak'):.1f} | {med(mode, policy, 'held'):.1f} | "
+            f"{med(mode, policy, 'state'):.1f} | {med(mode, policy, 'step'):.2f} | {sent} | "
+            f"{diff} |"
         )
-    if "pshard" not in results:
-        return
-    print("\n| ratio | figure | target |\n|---|---|---|")
+    print("\n| ratio | policy | figure | target |\n|---|---|---|---|")
     rows = []
-    if paired is not None:
-        rows.append(("pshard / FSDP2, step (paired)", f"{paired['ratio']:.2f}", "<= 1.2"))
-    if "fsdp2" in results:
-        per_round = [
-            p["step"] / f["step"] for p, f in zip(results["pshard"], results["fsdp2"], strict=True)
-        ]
-        rows += [
-            ("pshard / FSDP2, peak", _ratio(med("pshard", "peak"), med("fsdp2", "peak")), "<= 1"),
-            ("pshard / FSDP2, step (separate runs)", f"{statistics.median(per_round):.2f}", ""),
-        ]
-    if ref is not None:
-        rows.append(
-            (
-                "pshard / one process, peak",
-                _ratio(med("pshard", "peak"), med(ref, "peak")),
-                "<= 0.3",
-            )
-        )
-        if "fsdp2" in results:
-            rows.append(
-                ("FSDP2 / one process, peak", _ratio(med("fsdp2", "peak"), med(ref, "peak")), "")
-            )
-    if "one-backward" in results:
-        rows.append(
-            (
-                "pshard / one process .backward(), peak",
-                _ratio(med("pshard", "peak"), med("one-backward", "peak")),
-                "",
-            )
-        )
-    if "pshard-ckloss" in results and "fsdp2" in results:
-        rows.append(
-            (
-                "pshard, loss in ps.checkpoint / FSDP2, peak",
-                _ratio(med("pshard-ckloss", "peak"), med("fsdp2", "peak")),
-                "",
-            )
-        )
-    for name, figure, target in rows:
-        print(f"| {name} | {figure} | {target} |")
+    for policy in args.policies:
+        p = paired.get(policy)
+        if p is not None:
+            rows.append(("pshard / FSDP2, step (paired)", policy, f"{p['vs_fsdp2']:.2f}", "<= 0.9"))
+            rows.append(("pshard with / without prefetch, step (paired)", policy,
+                         f"{p['prefetch']:.2f}", ""))  # fmt: skip
+        for mode in ("pshard", "pshard-ckloss", "pshard-zero2", "pshard-noprefetch"):
+            if (mode, policy) in results and ("fsdp2", policy) in results:
+                rows.append((
+                    f"{MODES[mode][0]} / FSDP2, peak", policy,
+                    _ratio(med(mode, policy, "peak"), med("fsdp2", policy, "peak")),
+                    "<= 1" if mode in ("pshard", "pshard-ckloss") else "",
+                ))  # fmt: skip
+        if ("pshard", policy) in results and ref is not None:
+            one = _ratio(med("pshard", policy, "peak"), med(*ref, "peak"))
+            rows.append(("pshard / one process (float32), peak", policy, one, "<= 0.3"))
+    if len(args.policies) > 1 and all(("pshard", p) in results for p in args.policies[:2]):
+        a, b = (results["pshard", p][-1]["gathers"] for p in args.policies[:2])
+        rows.append((f"pshard all-gather bytes, {args.policies[1]} / {args.policies[0]}", "",
+                     _ratio(sum(b), sum(a)), "0.5 for bfloat16"))  # fmt: skip
+    for name, policy, figure, target in rows:
+        print(f"| {name} | {policy} | {figure} | {target} |")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python examples/functional_llama.py --resume-mesh dp=2,sp=1 --attention ring
     python examples/functional_llama.py --mesh dp=2,tp=2       # FSDP x tensor parallelism
     python examples/functional_llama.py --mesh dp=2,tp=2,sp=2  # 8 ranks: dp x tp x sp
+    python examples/functional_llama.py --dtype bf16           # bfloat16 compute, float32 masters
 
 A tiny random ``LlamaForCausalLM`` (built from a config: nothing is downloaded; float64) is
 trained on 4 CPU ranks as the mesh ``{"dp": 2, "sp": 2}``. One step is::
@@ -34,11 +35,15 @@ trained on 4 CPU ranks as the mesh ``{"dp": 2, "sp": 2}``. One step is::
 - after ``--save-at`` steps ``ps.save`` writes the state (each rank its blocks) and the run goes
   on to ``--steps``. The same ranks then load the checkpoint and run the last steps again (the
   same losses, bit for bit), and fresh ranks on another mesh (``--resume-mesh``) load it into
-  their layout with ``ps.load`` and run them (the same losses to float64 rounding).
+  their layout with ``ps.load`` and run them (the same losses to float64 rounding);
+- with ``--dtype bf16`` the parameters and AdamW moments are float32 masters and
+  ``sharded_call`` gathers and computes in bfloat16 and reduces the gradients in float32
+  (``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``, FSDP2's usual policy).
 
 The losses are checked against the same model trained in one process with plain PyTorch
-(``model(**batch)``, ``loss.backward()``, ``torch.optim.AdamW``). The script prints them side by
-side and the largest differences, and exits non-zero when one is above its tolerance.
+(``model(**batch)``, ``loss.backward()``, ``torch.optim.AdamW``; with ``--dtype bf16`` a float32
+model under ``torch.autocast(dtype=torch.bfloat16)``). The script prints them side by side and
+the largest differences, and exits non-zero when one is above its tolerance.
 See docs/functional_llama.md.
 """
 
@@ -62,6 +67,10 @@ import pshard as ps
 P = ps.P
 VOCAB, SEQ, ROWS = 64, 12, 4
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.01
+# --dtype: the masters' dtype, and sharded_call's policy
+MASTERS = {"float64": torch.float64, "bf16": torch.float32}
+POLICIES = {"float64": {}, "bf16": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}}
+BF16_TOLERANCE = 1e-2  # of a loss about 4 (measured: 2.5e-3); see the checks at the end
 Step = Callable[[dict, dict], tuple[dict, float]]
 
 
@@ -81,15 +90,15 @@ def config():  # -> LlamaConfig
     )
 
 
-def initial_model() -> torch.nn.Module:
+def initial_model(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     """The model with its initial weights (random, seeded: the same in every process)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(config()).double().train()
+    return LlamaForCausalLM(config()).double().to(dtype).train()
 
 
-def skeleton() -> torch.nn.Module:
+def skeleton(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     """The model without its weights: ``sharded_call`` runs its code with the gathered weights
     and reads their global shapes from its parameters, which live on the ``meta`` device (no
     memory). The rotary embedding's buffer is computed, not learned: built on the CPU."""
@@ -98,7 +107,7 @@ def skeleton() -> torch.nn.Module:
     with torch.device("meta"):
         model = LlamaForCausalLM(config())
     model.model.rotary_emb = type(model.model.rotary_emb)(config())
-    model = model.double().train()
+    model = model.to(dtype).train()
     # every decoder layer's checkpoint function is ps.checkpoint (torch.utils.checkpoint cannot
     # run under torch.func): the layer keeps its input and is recomputed in the backward
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ps.checkpoint)
@@ -187,8 +196,12 @@ def make_step(model: torch.nn.Module, args: argparse.Namespace) -> Step:
                 ))  # fmt: skip
             # each decoder layer gathers its weights over "dp" right before it runs; the
             # logits come back whole (each "sp" rank's backward takes its tokens' part)
-            out = ps.sharded_call(model, params, (), {**inputs, "use_cache": False}, specs=specs)
-        part = loss_sum(out.logits, rows["labels"], "tp" if tp else None)
+            out = ps.sharded_call(
+                model, params, (), {**inputs, "use_cache": False}, specs=specs,
+                **POLICIES[args.dtype],
+            )  # fmt: skip
+        logits = out.logits.to(MASTERS[args.dtype])  # bfloat16 logits: the loss in float32
+        part = loss_sum(logits, rows["labels"], "tp" if tp else None)
         return ps.psum(part, "dp") / count
 
     loss = ps.shard_map(
@@ -231,8 +244,8 @@ def first_run(args: argparse.Namespace) -> tuple[list[float], list[float], tuple
     load that checkpoint and run the last steps again."""
     ps.init_mesh(args.mesh)
     warnings.simplefilter("ignore")  # transformers' notes about configs
-    whole = {k: v.detach() for k, v in initial_model().named_parameters()}
-    model = skeleton()
+    whole = {k: v.detach() for k, v in initial_model(MASTERS[args.dtype]).named_parameters()}
+    model = skeleton(MASTERS[args.dtype])
     # this rank's block of every tensor (owned copies): over "dp", and "tp" with --mesh ...,tp=2
     params = ps.shard(whole, param_specs(model, "tp" in args.mesh))
     del whole
@@ -260,14 +273,15 @@ def resumed_run(args: argparse.Namespace) -> list[float]:
         saved,
     )
     state = ps.load(args.path, like)  # GlobalTensors P("dp") on this mesh, "step" an int
-    _, losses = train(make_step(skeleton(), args), state, args.steps)
+    _, losses = train(make_step(skeleton(MASTERS[args.dtype]), args), state, args.steps)
     return losses
 
 
 # ----------------------------------------------------------------------------- one process
-def reference(steps: int) -> list[float]:
-    """The same training in one process with plain PyTorch: the whole batch at once."""
-    model = initial_model()
+def reference(steps: int, dtype: str = "float64") -> list[float]:
+    """The same training in one process with plain PyTorch: the whole batch at once (with
+    ``dtype="bf16"``, float32 weights under ``torch.autocast`` in bfloat16)."""
+    model = initial_model(MASTERS[dtype])
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
     )
@@ -275,7 +289,9 @@ def reference(steps: int) -> list[float]:
     for i in range(steps):
         b = batch(i)
         inputs = {k: v for k, v in b.items() if k != "labels"}
-        loss = loss_sum(model(**inputs, use_cache=False).logits, b["labels"]) / targets(b)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = model(**inputs, use_cache=False).logits
+        loss = loss_sum(logits.to(MASTERS[dtype]), b["labels"]) / targets(b)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -312,6 +328,10 @@ def main() -> None:
     parser.add_argument(
         "--resume-mesh", type=mesh_arg, default="dp=1,sp=2", help="e.g. dp=1,sp=2 or dp=2,sp=1"
     )
+    parser.add_argument(
+        "--dtype", choices=tuple(MASTERS), default="float64",
+        help="bf16: float32 masters, bfloat16 compute, float32 gradient reduction",
+    )  # fmt: skip
     args = parser.parse_args()
     if not 0 < args.save_at < args.steps:
         parser.error("--save-at must be between 0 and --steps")
@@ -322,7 +342,7 @@ def main() -> None:
         (losses, again, (held, whole)), *_ = ps.spawn(first_run, args, nprocs=nprocs)
         resumed = ps.spawn(resumed_run, args, nprocs=resume["dp"] * resume["sp"])[0]
     warnings.simplefilter("ignore")
-    plain = reference(args.steps)
+    plain = reference(args.steps, args.dtype)
 
     where = ",".join(f"{k}={v}" for k, v in resume.items())
     mesh = " x ".join(f"{k}={v}" for k, v in args.mesh.items())
@@ -338,10 +358,13 @@ def main() -> None:
     # split layers sum their partial outputs in another order than one process, and Llama's
     # RMSNorm rounds to float32: with "tp" the losses agree to float32's rounding
     tol = 1e-6 if "tp" in args.mesh else 1e-10
+    # bfloat16: every unit computes in bfloat16 (its norms and residual sum too, FSDP2's way)
+    # where autocast keeps those in float32: the losses agree to bfloat16's rounding
+    plain_tol = BF16_TOLERANCE if args.dtype == "bf16" else tol
     checks = [  # what, max difference, tolerance
-        (f"{mesh} against one process", plain, losses, tol),
+        (f"{mesh} against one process", plain, losses, plain_tol),
         ("resumed on the same mesh against the run", after, again, 0.0),
-        (f"resumed on {where} against the run", after, resumed, tol),
+        (f"resumed on {where} against the run", after, resumed, plain_tol),
     ]
     failed = []
     for what, want, got, tol in checks:

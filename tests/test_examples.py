@@ -25,6 +25,10 @@ THREADS = ["--backend", "threads"]
         ("module_hooks.py", ["--nprocs", "2", *THREADS]),
         ("hf_llama.py", ["--nprocs", "2", "--steps", "3", "--checkpointing", *THREADS]),
         ("functional_llama.py", ["--steps", "2", "--save-at", "1", "--microbatches", "1"]),
+        (
+            "functional_llama.py",
+            ["--steps", "2", "--save-at", "1", "--microbatches", "1", "--dtype", "bf16"],
+        ),  # fmt: skip
     ],
 )
 def test_example_runs(script, args):

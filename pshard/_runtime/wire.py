@@ -31,6 +31,7 @@ __all__ = [
     "Comm",
     "Perm",
     "all_gather",
+    "all_gather_start",
     "all_reduce",
     "all_to_all",
     "axis_key",
@@ -44,6 +45,7 @@ __all__ = [
     "ppermute_start",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_start",
     "wait",
 ]
 
@@ -183,7 +185,9 @@ def gather_into(buf: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup |
     if size > 1 and pairwise(inp, group):
         me = dist.get_rank(group)
         buf[me].copy_(inp)
-        _shifted(me, size, lambda g: _global(group, g), [inp], [[b] for b in buf], group)
+        wait(
+            _shifted_start(me, size, lambda g: _global(group, g), [inp], [[b] for b in buf], group)
+        )
         return
     _all_gather_flat(buf.view(-1), inp.view(-1), group=group)  # flat: any backend, no copy
 
@@ -210,31 +214,65 @@ def gather_parts(
         check_collective("all_gather", c.group, c.name, x)
     for dst, src in zip(recv[c.rank], send, strict=True):
         dst.copy_(src)
-    _shifted(c.rank, c.size, lambda i: _peer(c, i), send, recv, c.group)
+    wait(_shifted_start(c.rank, c.size, lambda i: _peer(c, i), send, recv, c.group))
 
 
-def _shifted(
+def _shifted_start(
     me: int,
     size: int,
     peer: Callable[[int], int],
     send: Sequence[torch.Tensor],
     recv: Sequence[Sequence[torch.Tensor]],
     group: dist.ProcessGroup | None,
-) -> None:
-    """One batch of sends and receives with shifted partners (at step ``s`` every rank sends
-    to ``me + s`` and receives from ``me - s``): ``send`` to every other index, ``recv[i]`` from
-    index ``i``, part ``j`` with tag ``j``; ``peer`` maps an index to a global rank."""
+) -> list[Any]:
+    """Issue one batch of sends and receives with shifted partners (at step ``s`` every rank
+    sends to ``me + s`` and receives from ``me - s``): ``send`` to every other index, ``recv[i]``
+    from index ``i``, part ``j`` with tag ``j``; ``peer`` maps an index to a global rank. Returns
+    the pending work."""
     ops = []
     for step in range(1, size):
         to, frm = (me + step) % size, (me - step) % size
         ops += [dist.P2POp(dist.isend, t, peer(to), group, j) for j, t in enumerate(send)]
         ops += [dist.P2POp(dist.irecv, t, peer(frm), group, j) for j, t in enumerate(recv[frm])]
-    if ops:
-        wait(dist.batch_isend_irecv(ops))
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def all_gather_start(x: torch.Tensor, c: Comm) -> tuple[torch.Tensor, list[Any]]:
+    """Issue an all-gather of ``x`` over ``c`` and return at once: the output, of shape
+    ``(c.size, *x.shape)`` with index ``i``'s ``x`` at ``[i]`` once ``wait(pending)`` returns,
+    and the pending work (holding what the transport reads). ``x`` must not be written to
+    before then. Every rank issues its
+    collectives on a group in the same order, the pending ones included (they are matched in
+    order, as the blocking ones are). The transport is :func:`all_gather`'s (gloo's large CPU
+    blocks as pairwise sends and receives straight into their slots)."""
+    if c.debug:
+        check_collective("all_gather", c.group, c.name, x, (0, 0))
+    inp = x.contiguous()
+    buf = inp.new_empty((c.size, *inp.shape))
+    if c.order is None and not pairwise(inp, c.group):
+        work = _all_gather_flat(buf.view(-1), inp.view(-1), group=c.group, async_op=True)
+        return buf, [work, inp]
+    # pairwise: each index's block straight into its slot (axis-index order, any group order)
+    buf[c.rank].copy_(inp)
+    peer = lambda i: _peer(c, i)  # noqa: E731
+    return buf, [*_shifted_start(c.rank, c.size, peer, [inp], [[b] for b in buf], c.group), inp]
+
+
+def reduce_scatter_start(x: torch.Tensor, c: Comm, dim: int) -> tuple[torch.Tensor, list[Any]]:
+    """Issue :func:`reduce_scatter` of ``x`` (``tiled=True``) and return at once: the output,
+    this index's sum once ``wait(pending)`` returns, and the pending work, which holds what the
+    transport reads (``x`` may be written to at once)."""
+    if c.debug:
+        check_collective("psum_scatter", c.group, c.name, x, (dim, 1))
+    blocks = x.unflatten(dim, (c.size, -1))
+    inp = _by_group(blocks.movedim(dim, 0), c).contiguous()
+    out = inp.new_empty(inp.shape[1:])
+    work = _reduce_scatter_flat(out.view(-1), inp.view(-1), group=c.group, async_op=True)
+    return out, [work, inp]
 
 
 def reduce_scatter(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
@@ -284,9 +322,11 @@ def ppermute_start(x: torch.Tensor, c: Comm, perm: Perm) -> tuple[torch.Tensor, 
 
 
 def wait(pending: list[Any]) -> None:
-    """Wait for the work returned by :func:`ppermute_start`."""
+    """Wait for the work returned by :func:`ppermute_start`, :func:`all_gather_start` or
+    :func:`reduce_scatter_start` (tensors in the list are what the work reads, held)."""
     for work in pending:
-        work.wait()
+        if not isinstance(work, torch.Tensor):
+            work.wait()
 
 
 def broadcast(x: torch.Tensor, c: Comm, src: int) -> torch.Tensor:

@@ -15,15 +15,18 @@ slice of the whole cotangent, of ``shard`` the gather of the blocks' cotangents,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._collectives.cast_gather import BlockPlan, block_levels
 from .._core.global_tensor import (
     GlobalMeta,
     GlobalTensor,
+    applied_shards,
     block_runs,
     check_unmodified,
     dtensor_placements,
@@ -43,11 +46,13 @@ from .._core.placements import (
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe, keystr, tree_flatten_with_path, tree_map, tree_unflatten
 from .._runtime.mesh import mesh_for
-from .boundary import BlockLayout, FromBlocks, ToBlock, exchange_shapes
+from .._runtime.wire import Comm
+from .boundary import BlockLayout, FromBlocks, ToBlock, check_replicated, exchange_shapes
 from .mesh_view import MeshView, block_layout
 from .replicas import check_global_shapes, check_whole_values
 
 __all__ = [
+    "block_plan",
     "from_callback",
     "from_dtensor",
     "from_local",
@@ -390,6 +395,33 @@ def _gather_one(
     lay = global_layout(x.meta, view, where)
     out: torch.Tensor = FromBlocks.apply(x.local, lay, False, 1.0, x.meta.shape, None)
     return out
+
+
+def block_plan(
+    x: GlobalTensor, where: str, fn: str, views: dict[Any, MeshView] | None = None
+) -> BlockPlan:
+    """How :func:`pshard._collectives.cast_gather.cast_gather` gathers the block of ``x`` into
+    its whole value, and the transpose of :func:`gather` (this rank's block of the replicated
+    cotangent, checked to be the same on every rank in debug mode): the levels of
+    :func:`gather`'s one all-gather, one mesh axis at a time (the innermost split first).
+    ``views``: the meshes already resolved in this call, by key."""
+    views = {} if views is None else views
+    view = views.get(x.meta.key)
+    if view is None:
+        view = views[x.meta.key] = _view(x.meta.mesh, fn)
+    _check_local(x, fn, where, view)
+    back = global_layout(x.meta, view, where).back_check if view.debug else None
+    splits = [(view.comm((axis,)) or _single(axis), p) for axis, p in applied_shards(x.spec)]
+    shape, levels = block_levels(x.meta.shape, splits)
+    check = (
+        None if back is None else functools.partial(check_replicated, c=back[0], message=back[1])
+    )
+    return BlockPlan(shape, x.meta.shape, levels, "slice", check)
+
+
+def _single(axis: str) -> Comm:
+    """An axis of size 1 (nothing to communicate)."""
+    return Comm(None, 1, 0, axis, False)
 
 
 def _check_local(x: GlobalTensor, fn: str, where: str, view: MeshView) -> None:

@@ -10,52 +10,49 @@ activations are not recomputed, only the gathers.
 Two forms, told apart per parameter:
 
 - a :class:`~pshard.GlobalTensor` (outside any map, or passed into a map over other axes): its
-  blocks are gathered with :func:`pshard.gather` (the transpose takes this rank's block of the
-  whole cotangent);
+  blocks are gathered over its own mesh, :func:`pshard.gather`'s way (the transpose takes this
+  rank's block of the whole cotangent);
 - a plain tensor, with its spec in ``specs`` (inside a map: the block ``fn`` received and the
-  map's in_spec for it): gathered with :func:`pshard.all_gather` over the spec's axes, padded
-  where the blocks are uneven (``torch.chunk``'s rule); the transpose is a ``psum_scatter``, the
-  cotangent of the block summed over the ranks that used the whole. Global shapes are read from
-  the module's own parameters (which may live on the ``meta`` device).
+  map's in_spec for it): gathered over the spec's axes, padded where the blocks are uneven
+  (``torch.chunk``'s rule); the transpose reduce-scatters, the cotangent of the block summed
+  over the ranks that used the whole. Global shapes are read from the module's own parameters
+  (which may live on the ``meta`` device).
+
+Either way a unit's gather is one differentiable operation that casts too
+(:mod:`pshard._collectives.cast_gather`: FSDP2's mixed precision, the policy of
+:mod:`pshard._shard_map.fsdp_policy`), issued ahead by the call's schedule
+(:mod:`pshard._shard_map.unit_schedule`); a unit's call is :mod:`pshard._shard_map.units`'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .._collectives.functions import all_gather
-from .._core.global_tensor import GlobalTensor, applied_shards, is_global
-from .._core.layout_rules import index_runs
+from .. import _compat as compat
+from .._collectives.cast_gather import BlockPlan, block_levels
+from .._core.global_tensor import applied_shards, is_global
 from .._core.placements import P, Replicate, Shard, StridedShard
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe, tree_flatten
-from .._remat.checkpoint import checkpoint
-from .._remat.names import checkpoint_name
-from .._remat.policies import save_anything_except_these_names
 from .._runtime.mesh import mesh_for
-from .global_ops import gather
+from .._runtime.wire import comm
+from .fsdp_policy import ShardedCallPolicy
+from .global_ops import block_plan
+from .unit_schedule import UnitSchedule, UnitSlot, gate
+from .units import GATHER_NAME, Gathered, UnitCall, UnitEntry, installed
 
 __all__ = ["GATHER_NAME", "KEEP_SPLIT", "sharded_call"]
 
 _FN = "sharded_call"
 
-#: The :func:`pshard.checkpoint_name` of the weights a unit gathers (recomputed, not saved).
-GATHER_NAME = "pshard.sharded_call.gather"
-
 #: The mesh axes whose splits ``sharded_call`` keeps: inside ``ps.tensor_parallel(axis=a)``
 #: the blocks are gathered over every axis but ``a`` (and the layers compute on ``a``'s block).
 KEEP_SPLIT: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "pshard_sharded_call_keep", default=frozenset()
-)
-
-# the units whose own forward is running (their override calls through to it)
-_INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "pshard_sharded_call_inside", default=frozenset()
 )
 
 Units = type | tuple[type, ...] | list[type] | Callable[[torch.nn.Module], bool] | None
@@ -107,22 +104,6 @@ def _owner(name: str, prefixes: list[str]) -> str | None:
     return None
 
 
-class _Gatherer:
-    """Gathers one parameter: a GlobalTensor with :func:`pshard.gather`, a block of a map's
-    input with padded all-gathers over its spec's axes."""
-
-    def __init__(self, name: str, spec: Any, whole: tuple[int, ...]) -> None:
-        self.name = name
-        self.whole = whole
-        self.spec = spec
-
-    def __call__(self, value: Any) -> torch.Tensor:
-        if is_global(value):
-            out: torch.Tensor = gather(value)
-            return out
-        return _gather_block(value, self.spec, self.whole, self.name)
-
-
 def _axes_of(spec: Any, name: str) -> list[tuple[str, Shard | StridedShard]]:
     """``(axis, placement)`` pairs of a block's spec, in the order the splits apply."""
     if spec is None or isinstance(spec, Replicate):
@@ -135,83 +116,33 @@ def _axes_of(spec: Any, name: str) -> list[tuple[str, Shard | StridedShard]]:
     )
 
 
-def _gather_block(
-    block: torch.Tensor, spec: Any, whole: tuple[int, ...], name: str
-) -> torch.Tensor:
-    """The whole parameter from this rank's block (inside a map over the spec's axes)."""
+def _block_plan(
+    name: str, value: Any, spec: Any, whole: tuple[int, ...], views: dict[Any, Any]
+) -> BlockPlan:
+    """How the value of ``params[name]`` becomes the whole parameter: a GlobalTensor over its
+    own mesh (the transpose slices), a block inside a map over its spec's axes (the transpose
+    reduce-scatters; uneven blocks padded; inside ``tensor_parallel`` the kept axes' splits
+    stay), a whole tensor as it is."""
+    if is_global(value):
+        return block_plan(value, f"params[{name!r}]", _FN, views)
     pairs = _axes_of(spec, name)
     if not pairs:
-        return block
-    mesh = mesh_for(_FN)
-    names = tuple(mesh.mesh_dim_names or ())
-    sizes = {a: mesh.size(names.index(a)) for a, _ in pairs}
-    coord = {a: mesh.get_local_rank(a) for a, _ in pairs}
-    runs = index_runs(
-        whole,
-        tuple(sizes[a] for a, _ in pairs),
-        tuple(coord[a] for a, _ in pairs),
-        tuple(p for _, p in pairs),
-    )
-    expected = tuple(sum(map(len, r)) for r in runs)
-    if tuple(block.shape) != expected:
+        return BlockPlan(whole, whole, ())
+    mesh_for(_FN)  # the error names sharded_call when there is no mesh
+    keep = KEEP_SPLIT.get()
+    splits = [(comm(axis, _FN), p) for axis, p in pairs]
+    expected, levels = block_levels(whole, splits, [axis not in keep for axis, _ in pairs])
+    if tuple(value.shape) != expected:
         raise ValueError(
-            f"{_FN} params[{name!r}]: the block has shape {tuple(block.shape)}, but {spec!r} "
+            f"{_FN} params[{name!r}]: the block has shape {tuple(value.shape)}, but {spec!r} "
             f"splits the module's parameter of shape {whole} so that this rank holds "
             f"{expected}; pass the block the map gave (its in_spec as specs[{name!r}])"
         )
-    keep = KEEP_SPLIT.get()
     _check_kept(pairs, keep, spec, name)
-    out = block
-    # undo the splits innermost first: each gathers the pieces of the block one level up; the
-    # kept axes (tensor parallelism) split first, so the block keeps their split
-    for i in reversed(range(len(pairs))):
-        axis, p = pairs[i]
-        if axis in keep:
-            continue
-        d = p.dim
-        outer = index_runs(
-            whole,
-            tuple(sizes[a] for a, _ in pairs[:i]),
-            tuple(coord[a] for a, _ in pairs[:i]),
-            tuple(pp for _, pp in pairs[:i]),
-        )
-        length = sum(map(len, outer[d]))  # the size of dim d one level up
-        if isinstance(p, StridedShard):
-            out = _gather_strided(out, axis, p, sizes[axis], length)
-            continue
-        piece = -(-length // sizes[axis])
-        if out.shape[d] < piece:  # uneven: pad to the largest piece, trim after the gather
-            out = _pad(out, d, piece)
-        out = all_gather(out, axis, dim=d, tiled=True).narrow(d, 0, length)
-    return out
-
-
-def _pad(x: torch.Tensor, d: int, length: int) -> torch.Tensor:
-    pad = list(x.shape)
-    pad[d] = length - x.shape[d]
-    return torch.cat([x, x.new_zeros(pad)], d)
-
-
-def _gather_strided(
-    x: torch.Tensor, axis: str, p: StridedShard, size: int, length: int
-) -> torch.Tensor:
-    """The ``length`` elements of dim ``p.dim`` that ``size`` ranks of ``axis`` split in
-    ``p.split_factor`` parts (each rank its piece of every part), from this rank's ``x``."""
-    d = p.dim
-    held = [
-        [i for run in index_runs((length,), (size,), (c,), (StridedShard(0, p.split_factor),))[0]
-         for i in run]
-        for c in range(size)
-    ]  # fmt: skip
-    piece = max(map(len, held))
-    if x.shape[d] < piece:
-        x = _pad(x, d, piece)
-    gathered = all_gather(x, axis, dim=d, tiled=True)  # rank c's piece at c * piece
-    source = [0] * length
-    for c, positions in enumerate(held):
-        for j, g in enumerate(positions):
-            source[g] = c * piece + j
-    return gathered.index_select(d, torch.tensor(source, dtype=torch.long, device=x.device))
+    shape = list(expected)
+    for lv in levels:  # what the gathers leave: the whole, or the kept axes' block of it
+        shape[lv.dim] = lv.length
+    return BlockPlan(expected, tuple(shape), levels)
 
 
 def _check_kept(
@@ -232,77 +163,6 @@ def _check_kept(
             )
 
 
-class _UnitCall:
-    """One unit's call, checkpointed: gathers the unit's parameters from the blocks it is given
-    (named :data:`GATHER_NAME`, so the policy recomputes them) and runs the unit's own forward
-    with them. Not a closure over the unit, so the checkpoint does not take the unit's own
-    parameters for arguments."""
-
-    def __init__(
-        self,
-        unit: torch.nn.Module,
-        name: str,
-        local_names: list[str],
-        gatherers: list[_Gatherer],
-        metas: list[Any],
-    ) -> None:
-        self.unit = unit
-        self.__qualname__ = name  # how ps.checkpoint's errors name this call
-        self.local_names = local_names
-        self.gatherers = gatherers
-        self.metas = metas
-
-    def __call__(
-        self,
-        blocks: list[torch.Tensor],
-        extras: dict[str, torch.Tensor],
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        whole = dict(extras)
-        for local_name, gatherer, meta, block in zip(
-            self.local_names, self.gatherers, self.metas, blocks, strict=True
-        ):
-            value = block if meta is None else GlobalTensor(block, meta)
-            whole[local_name] = checkpoint_name(gatherer(value), GATHER_NAME)
-        token = _INSIDE.set(_INSIDE.get() | {id(self.unit)})
-        try:
-            return torch.func.functional_call(self.unit, whole, args, kwargs, strict=False)
-        finally:
-            _INSIDE.reset(token)
-
-
-@contextlib.contextmanager
-def _installed(calls: Mapping[int, tuple[torch.nn.Module, Callable[..., Any]]]) -> Iterator[None]:
-    """Each unit's forward replaced by its checkpointed call while the block runs; inside that
-    call, the unit's own forward."""
-    saved = []
-    try:
-        for unit, call in calls.values():
-            own = unit.__dict__.get("forward")
-            original = type(unit).forward if own is None else own
-
-            def forward(*args: Any, __unit: Any = unit, __call: Any = call, __orig: Any = original,
-                        **kwargs: Any) -> Any:  # fmt: skip
-                if id(__unit) in _INSIDE.get():
-                    return (
-                        __orig(__unit, *args, **kwargs)
-                        if __orig is type(__unit).forward
-                        else __orig(*args, **kwargs)
-                    )
-                return __call(*args, **kwargs)
-
-            saved.append((unit, own))
-            unit.forward = forward
-        yield
-    finally:
-        for unit, own in saved:
-            if own is None:
-                del unit.forward
-            else:
-                unit.forward = own
-
-
 def sharded_call(
     module: torch.nn.Module,
     params: Mapping[str, Any],
@@ -311,6 +171,10 @@ def sharded_call(
     *,
     specs: Any = None,
     units: Units = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    prefetch: bool = True,
+    reshard_after_forward: bool = True,
 ) -> Any:
     """``torch.func.functional_call(module, params, args, kwargs)`` with FSDP-sharded
     parameters: each unit of the model gathers its parameters right before it runs, lets them
@@ -342,12 +206,28 @@ def sharded_call(
     default ``use_cache=True``) is an error naming the unit; pass ``use_cache=False``. Weights
     tied across units (or a unit and the rest) are gathered once, with the rest.
 
-    Gradients: exact under ``torch.func.grad`` / ``vjp`` and ``.backward()`` (blocks as leaf
-    tensors), uneven and empty blocks included; they come back as blocks (GlobalTensors of the
-    same layout, or blocks of the map's input). Per-rank peak: the blocks, the rest's gathered
-    parameters, one gathered unit and the activations. Under ``torch.func.grad`` what runs
-    outside the units (the loss) keeps its graph until the whole gradient is done: put it in
-    :func:`pshard.checkpoint` too to free those activations, as ``.backward()`` would.
+    **Mixed precision** (FSDP2's ``MixedPrecisionPolicy``): with ``param_dtype`` the
+    floating-point parameters are cast to it before they are gathered (half the bytes on the
+    wire for bfloat16) and every unit computes in it; the floating-point tensors of the inputs
+    (the call's and each unit's) are cast to it, and the outputs come back in it. The weights'
+    cotangents are cast to ``reduce_dtype`` before they are reduce-scattered (inside a map) or
+    sliced (a GlobalTensor outside one); ``None``: ``param_dtype``, FSDP2's default. Gradients
+    come back in each block's own dtype: float32 masters stay float32. Buffers are not cast.
+
+    **Overlap**: with ``prefetch`` (default) the next unit's gather is issued before the
+    current unit computes, in the forward (the model's order of units) and in the backward
+    (the reverse of the order the forward ran them in); on an accelerator the reduce-scatters
+    of gradients run while the backward goes on. The numbers are those of ``prefetch=False``,
+    bit for bit. ``reshard_after_forward=False`` keeps each unit's gathered weights from its
+    forward to its backward (ZeRO-2: no second gather, one gathered unit more per unit).
+
+    Gradients: exact under ``torch.func.grad`` / ``vjp`` / ``jvp`` / ``vmap`` and
+    ``.backward()`` (blocks as leaf tensors), uneven and empty blocks included; they come back
+    as blocks (GlobalTensors of the same layout, or blocks of the map's input). Per-rank peak:
+    the blocks, the rest's gathered parameters, two gathered units (the one computing and the
+    next) and the activations. Under ``torch.func.grad`` what runs outside the units (the loss)
+    keeps its graph until the whole gradient is done: put it in :func:`pshard.checkpoint` too to
+    free those activations, as ``.backward()`` would.
 
     Args:
         module: the model. Its own parameters are not used where ``params`` has a value (they
@@ -362,16 +242,22 @@ def sharded_call(
             for whole tensors); ignored for GlobalTensors, which carry their own.
         units: module classes or a predicate ``module -> bool`` choosing the units; default the
             repeated blocks (children of a ``ModuleList`` whose class occurs twice or more).
+        param_dtype: the dtype parameters are gathered and computed in; ``None``: their own.
+        reduce_dtype: the dtype the weights' cotangents are reduced (or sliced) in; ``None``:
+            ``param_dtype``.
+        prefetch: issue the next unit's gather ahead (see above).
+        reshard_after_forward: gather each unit again in the backward (``False``: keep it).
 
     Returns:
         What ``module`` returns.
 
     Raises:
-        TypeError: ``units``, a spec (``Shard(d)`` does not name the axes) or a value of
-            ``params`` of the wrong kind.
+        TypeError: ``units``, a spec (``Shard(d)`` does not name the axes), a value of
+            ``params``, a dtype or a flag of the wrong kind.
         ValueError: a name of ``params`` that is not a parameter or buffer of ``module``, a
             block whose shape is not this rank's block of the parameter under its spec, a
-            GlobalTensor or whole tensor of another shape than the module's parameter.
+            GlobalTensor or whole tensor of another shape than the module's parameter, a dtype
+            that is not floating-point.
 
     Example:
         >>> import torch, pshard as ps
@@ -381,7 +267,11 @@ def sharded_call(
         >>> out = ps.sharded_call(model, params, (torch.ones(3, 4),))
         >>> torch.allclose(out, model(torch.ones(3, 4)))
         True
+        >>> out = ps.sharded_call(model, params, (torch.ones(3, 4),), param_dtype=torch.bfloat16)
+        >>> out.dtype, params["0.weight"].dtype
+        (torch.bfloat16, torch.float32)
     """
+    policy = ShardedCallPolicy.of(param_dtype, reduce_dtype, prefetch, reshard_after_forward)
     kwargs = dict(kwargs or {})
     args = args if isinstance(args, tuple) else (args,)
     if not isinstance(module, torch.nn.Module):
@@ -413,16 +303,35 @@ def sharded_call(
     # every parameter or buffer given, under its name and its tied aliases
     given = {alias: n for n in params for alias in shared.get(n, (n,))}
     members: dict[str, list[str]] = {p: [] for p, _ in unit_list}
-    rest: dict[str, Any] = {}
-    for n, v in params.items():
+    views: dict[Any, Any] = {}  # GlobalTensors' meshes, resolved once a call
+    plans = {
+        n: _block_plan(n, v, by_name[n], tuple(own[n].shape), views) for n, v in params.items()
+    }
+    is_param = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+
+    def gathered(names: list[str]) -> Gathered:
+        dtypes = [_local(params[n]).dtype for n in names]
+        return Gathered([plans[n] for n in names], dtypes, policy, [n in is_param for n in names])
+
+    def own_value(name: str) -> torch.Tensor:  # a parameter params does not give: cast
+        value = own[name]
+        if name in is_param and value.is_floating_point() and policy.param_dtype is not None:
+            return value.to(policy.param_dtype)
+        return value
+
+    rest_names = []
+    for n in params:
         owner = None if n in shared else _owner(n, prefixes)
         if owner is not None:
             members[owner].append(n)
-        elif is_global(v) or by_name[n] is not None:
-            rest[n] = _Gatherer(n, by_name[n], tuple(own[n].shape))(v)
         else:
-            rest[n] = v
-    calls: dict[int, tuple[torch.nn.Module, Callable[..., Any]]] = {}
+            rest_names.append(n)
+    rest_blocks = [_local(params[n]) for n in rest_names]
+    rest = dict(zip(rest_names, gathered(rest_names)(rest_blocks, None), strict=True))
+    if policy.param_dtype is not None:  # the module's own parameters, cast as FSDP2 casts
+        unit_of = {n: _owner(n, prefixes) for n in own if n not in given}
+        rest.update({n: own_value(n) for n, o in unit_of.items() if o is None and n in is_param})
+    entries = []  # (prefix, unit, names, blocks, extras) of the units with parameters given
     for prefix, unit in unit_list:
         mine = members[prefix]
         # what else the unit reads: weights tied to the rest's (gathered there) and its own
@@ -434,21 +343,52 @@ def sharded_call(
                 continue
             local_name = alias[len(prefix) + 1 :]
             source = given.get(alias)
-            extras[local_name] = rest[source] if source is not None else own[alias]
-        if not mine:
-            continue
-        blocks = [params[n].local if is_global(params[n]) else params[n] for n in mine]
-        run = _UnitCall(
+            extras[local_name] = rest[source] if source is not None else own_value(alias)
+        if mine:
+            entries.append((prefix, unit, mine, [_local(params[n]) for n in mine], extras))
+    groups = [gathered(mine) for _, _, mine, _, _ in entries]
+    schedule = UnitSchedule(
+        [(g.plan, [blocks[i] for i in g.work]) for g, (*_, blocks, _) in zip(groups, entries,
+                                                                           strict=True)],
+        prefetch=policy.prefetch,
+    )  # fmt: skip
+    differentiated = torch.is_grad_enabled() or compat.transforms_active()
+    work = [e[3][i] for g, e in zip(groups, entries, strict=True) for i in g.work]
+    if policy.prefetch and differentiated and work and schedule.can_defer(work[0].device):
+        # every unit's blocks pass the gate, whose backward comes after all of theirs
+        it = iter(gate(schedule, work))
+        for g, e in zip(groups, entries, strict=True):
+            for i in g.work:
+                e[3][i] = next(it)
+        for unit_s, g, e in zip(schedule.units, groups, entries, strict=True):
+            unit_s.blocks = [e[3][i] for i in g.work]
+    calls: dict[int, tuple[torch.nn.Module, Callable[..., Any]]] = {}
+    for u, (g, (prefix, unit, mine, blocks, extras)) in enumerate(
+        zip(groups, entries, strict=True)
+    ):
+        run = UnitCall(
             unit,
             f"{_FN} unit {prefix!r} ({type(unit).__name__})",
             [n[len(prefix) + 1 :] for n in mine],
-            [_Gatherer(n, by_name[n], tuple(own[n].shape)) for n in mine],
-            [params[n].meta if is_global(params[n]) else None for n in mine],
+            g,
+            UnitSlot(schedule, u, blocks[0].device) if policy.prefetch else None,
         )
-        policy = save_anything_except_these_names(GATHER_NAME)
-        calls[id(unit)] = (unit, _bind(checkpoint(run, policy=policy), blocks, extras))
-    with _installed(calls):
-        return torch.func.functional_call(module, rest, args, kwargs, strict=False)
+        calls[id(unit)] = (unit, UnitEntry(run, u, blocks, extras, schedule, policy))
+    args, kwargs = policy.cast_inputs((args, kwargs))
+    kwargs = dict(kwargs)
+    try:
+        with installed(calls):
+            schedule.issue(0 if entries else None)
+            out = torch.func.functional_call(module, rest, args, kwargs, strict=False)
+    except BaseException:
+        schedule.gathers.clear()  # not waited for: another rank may never issue its part
+        raise
+    schedule.drain()  # what the forward issued and did not take
+    return out
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.local if is_global(value) else value
 
 
 def _specs_by_name(params: Mapping[str, Any], specs: Any) -> dict[str, Any]:
@@ -500,12 +440,3 @@ def _shared_names(
         if len(group) > 1 and len({_owner(a, prefixes) for a in group}) > 1:
             out[n] = tuple(group)
     return out
-
-
-def _bind(
-    fn: Callable[..., Any], blocks: list[torch.Tensor], extras: dict[str, torch.Tensor]
-) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(blocks, extras, *args, **kwargs)
-
-    return call
