@@ -1,25 +1,35 @@
-"""A Hugging Face Llama trained functionally on a 2 x 2 mesh, saved, and resumed on 2 ranks.
+"""A Hugging Face Llama loaded sharded from its checkpoint, trained functionally on a 2 x 2
+mesh, saved, resumed on 2 ranks, and exported back to Hugging Face's format.
 
     python examples/functional_llama.py                        # 4 gloo ranks, then 2 to resume
+    python examples/functional_llama.py --backend threads      # the ranks as threads
     python examples/functional_llama.py --resume-mesh dp=2,sp=1 --attention ring
     python examples/functional_llama.py --mesh dp=2,tp=2       # FSDP x tensor parallelism
     python examples/functional_llama.py --mesh dp=2,tp=2,sp=2  # 8 ranks: dp x tp x sp
     python examples/functional_llama.py --dtype bf16           # bfloat16 compute, float32 masters
 
 A tiny random ``LlamaForCausalLM`` (built from a config: nothing is downloaded; float64) is
-trained on 4 CPU ranks as the mesh ``{"dp": 2, "sp": 2}``. One step is::
+written with ``save_pretrained``, and trained from there on 4 CPU ranks as the mesh
+``{"dp": 2, "sp": 2}``. One step is::
 
     grads, loss = pmap_microbatch(grad_and_value(shard_map(rows_loss, axis_names="dp")))(...)
     grads = psum(grads, "sp")                   # the blocks: each "sp" rank held its tokens' share
-    state = adamw(state, grads)                 # optree.tree_map over GlobalTensors: on the blocks
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = ps.optim.apply_updates(params, updates)
 
     def rows_loss(blocks, rows, count):         # this "dp" rank's blocks and rows
         with ps.sequence_parallel(model, axis="sp", attention="ulysses"):
             logits = ps.sharded_call(model, blocks, (), rows, specs=P("dp")).logits
         return psum(cross_entropy_sum(logits, labels), "dp") / count
 
-- parameters and AdamW moments are ``ps.GlobalTensor``s sharded over ``"dp"`` (``P("dp")``):
-  between steps each rank holds half of every tensor;
+- the weights are read from the ``save_pretrained`` directory by ``ps.load`` into
+  ``ps.GlobalTensor``s sharded over ``"dp"`` (``P("dp")``), each rank reading only its blocks'
+  bytes of the safetensors files: the model never exists whole on a rank (``sharded_call`` runs
+  the model's code on a ``meta`` skeleton), and between steps each rank holds half of every
+  tensor;
+- the optimizer is ``ps.optim.chain(clip_by_global_norm(1.0), adamw(warmup_cosine_decay))``,
+  optax's recipe on the blocks: the global norm sums each block's squares once over the axes
+  that split it, and the AdamW moments are GlobalTensors of the parameters' layouts;
 - ``ps.shard_map`` over ``"dp"`` gives each ``"dp"`` rank its blocks and its rows of the batch;
   ``ps.sharded_call`` (functional FSDP) gathers each decoder layer's weights right before the
   layer runs and again in the backward, and reduce-scatters their gradients into blocks;
@@ -32,19 +42,23 @@ trained on 4 CPU ranks as the mesh ``{"dp": 2, "sp": 2}``. One step is::
 - the model's gradient checkpointing is pointed at ``ps.checkpoint``: every decoder layer is
   recomputed in the backward, under ``torch.func.grad``;
 - ``ps.pmap_microbatch`` accumulates the gradients of ``--microbatches`` microbatches;
-- after ``--save-at`` steps ``ps.save`` writes the state (each rank its blocks) and the run goes
-  on to ``--steps``. The same ranks then load the checkpoint and run the last steps again (the
-  same losses, bit for bit), and fresh ranks on another mesh (``--resume-mesh``) load it into
-  their layout with ``ps.load`` and run them (the same losses to float64 rounding);
+- after ``--save-at`` steps ``ps.save`` writes the state (parameters and optimizer state, each
+  rank its blocks) and the run goes on to ``--steps``. The same ranks then load the checkpoint
+  and run the last steps again (the same losses, bit for bit), and fresh ranks on another mesh
+  (``--resume-mesh``) load it into their layout with ``ps.load`` and run them (the same losses
+  to float64 rounding);
+- at the end ``ps.save(..., format="huggingface")`` writes the trained weights as consolidated
+  safetensors, which ``AutoModelForCausalLM.from_pretrained`` loads (checked bit for bit);
 - with ``--dtype bf16`` the parameters and AdamW moments are float32 masters and
   ``sharded_call`` gathers and computes in bfloat16 and reduces the gradients in float32
   (``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``, FSDP2's usual policy).
 
 The losses are checked against the same model trained in one process with plain PyTorch
-(``model(**batch)``, ``loss.backward()``, ``torch.optim.AdamW``; with ``--dtype bf16`` a float32
-model under ``torch.autocast(dtype=torch.bfloat16)``). The script prints them side by side and
-the largest differences, and exits non-zero when one is above its tolerance.
-See docs/functional_llama.md.
+(``model(**batch)``, ``loss.backward()``, the global norm from ``clip_grad_norm_``, then
+``torch.optim.AdamW`` on the same schedule; with ``--dtype bf16`` a float32 model under
+``torch.autocast(dtype=torch.bfloat16)``). The script prints them side by side and the largest
+differences, and exits non-zero when one is above its tolerance. See
+docs/functional_llama.md.
 """
 
 from __future__ import annotations
@@ -67,6 +81,7 @@ import pshard as ps
 P = ps.P
 VOCAB, SEQ, ROWS = 64, 12, 4
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.01
+MAX_NORM, WARMUP = 1.0, 2  # global-norm clipping; the learning rate's warm-up steps
 # --dtype: the masters' dtype, and sharded_call's policy
 MASTERS = {"float64": torch.float64, "bf16": torch.float32}
 POLICIES = {"float64": {}, "bf16": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}}
@@ -160,19 +175,19 @@ def param_specs(model: torch.nn.Module, tp: bool) -> P | dict[str, P]:
     return out
 
 
-# ----------------------------------------------------------------------------- AdamW on a tree
-def adamw(state: dict, grads: dict) -> dict:
-    """``torch.optim.AdamW``'s update written with ``optree.tree_map``: on GlobalTensors it
-    maps over the blocks, so the moments are held as the parameters are."""
-    (b1, b2), t = BETAS, state["step"] + 1
-    m = optree.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
-    v = optree.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
+# ----------------------------------------------------------------------------- the optimizer
+def schedule(steps: int) -> ps.optim.Schedule:
+    """Warm-up from LR / 10 to LR over ``WARMUP`` steps, then a cosine decay to LR / 10."""
+    return ps.optim.warmup_cosine_decay_schedule(LR / 10, LR, WARMUP, steps, end_value=LR / 10)
 
-    def update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        denom = v.sqrt() / (1 - b2**t) ** 0.5 + EPS
-        return p * (1 - LR * WEIGHT_DECAY) - LR / (1 - b1**t) * m / denom
 
-    return {"params": optree.tree_map(update, state["params"], m, v), "m": m, "v": v, "step": t}
+def optimizer(steps: int) -> ps.optim.GradientTransformation:
+    """optax's recipe: clip the gradients' global norm, then AdamW on the schedule."""
+    return ps.optim.chain(
+        ps.optim.clip_by_global_norm(MAX_NORM),
+        ps.optim.adamw(schedule(steps), b1=BETAS[0], b2=BETAS[1], eps=EPS,
+                       weight_decay=WEIGHT_DECAY),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -217,11 +232,17 @@ def make_step(model: torch.nn.Module, args: argparse.Namespace) -> Step:
         out_specs=ps.Partial("sum"),  # each microbatch's part of the batch's token mean
     )
 
+    opt = optimizer(args.steps)
+
     def step(state: dict, b: dict) -> tuple[dict, float]:
         grads, value = accumulate(state["params"], b, targets(b))
         if sp:  # each "sp" rank holds its tokens' share of every gradient block: sum them
             grads = optree.tree_map(lambda g: ps.psum(g, "sp"), grads)
-        return adamw(state, grads), value.item()
+        # the global norm of GlobalTensors sums each block's squares over the axes that split
+        # it; the moments are GlobalTensors of the parameters' layouts
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        params = ps.optim.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt_state, "step": state["step"] + 1}, value.item()
 
     return step
 
@@ -244,22 +265,28 @@ def first_run(args: argparse.Namespace) -> tuple[list[float], list[float], tuple
     load that checkpoint and run the last steps again."""
     ps.init_mesh(args.mesh)
     warnings.simplefilter("ignore")  # transformers' notes about configs
-    whole = {k: v.detach() for k, v in initial_model(MASTERS[args.dtype]).named_parameters()}
     model = skeleton(MASTERS[args.dtype])
-    # this rank's block of every tensor (owned copies): over "dp", and "tp" with --mesh ...,tp=2
-    params = ps.shard(whole, param_specs(model, "tp" in args.mesh))
-    del whole
-    zeros = optree.tree_map(torch.zeros_like, params)
-    state = {"params": params, "m": zeros, "v": zeros, "step": 0}
+    # the pretrained weights, each rank reading only its blocks of the safetensors files (over
+    # "dp", and "tp" with --mesh ...,tp=2): the model never exists whole on a rank
+    specs = param_specs(model, "tp" in args.mesh)
+    saved = ps.load_metadata(args.pretrained)  # state-dict name -> SavedTensor(shape, dtype)
+    names = [k for k, _ in model.named_parameters()]
+    like = {k: dataclasses.replace(saved[k], spec=specs if isinstance(specs, P) else specs[k])
+            for k in names}  # fmt: skip
+    params = ps.load(args.pretrained, like)
+    state = {"params": params, "opt": optimizer(args.steps).init(params), "step": 0}
     step = make_step(model, args)
     state, losses = train(step, state, args.steps, save=(args.path, args.save_at))
     held = (
         sum(p.local.numel() for p in state["params"].values()),
         sum(p.shape.numel() for p in state["params"].values()),
     )
+    # the trained weights as a Hugging Face checkpoint (from_pretrained loads it once the
+    # config is beside it): each rank writes its blocks, then rank 0 consolidates
+    ps.save(args.export, state["params"], format="huggingface")
     # resume on the same mesh: the state itself is the target (its layout, its mesh)
     _, again = train(step, ps.load(args.path, state), args.steps)
-    return losses, again, held
+    return losses, again, held, ps.gather(state["params"])
 
 
 def resumed_run(args: argparse.Namespace) -> list[float]:
@@ -282,9 +309,11 @@ def reference(steps: int, dtype: str = "float64") -> list[float]:
     """The same training in one process with plain PyTorch: the whole batch at once (with
     ``dtype="bf16"``, float32 weights under ``torch.autocast`` in bfloat16)."""
     model = initial_model(MASTERS[dtype])
-    optimizer = torch.optim.AdamW(
+    adam = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
     )
+    lr = schedule(steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(adam, lambda i: lr(i) / LR)
     losses = []
     for i in range(steps):
         b = batch(i)
@@ -292,11 +321,28 @@ def reference(steps: int, dtype: str = "float64") -> list[float]:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             logits = model(**inputs, use_cache=False).logits
         loss = loss_sum(logits.to(MASTERS[dtype]), b["labels"]) / targets(b)
-        optimizer.zero_grad()
+        adam.zero_grad()
         loss.backward()
-        optimizer.step()
+        # the global norm as clip_grad_norm_ computes it; clipped by optax's rule (torch's
+        # own clipping divides by norm + 1e-6, which would move the losses by about 1e-9)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        if norm > MAX_NORM:
+            for p in model.parameters():
+                p.grad.mul_(MAX_NORM / norm)
+        adam.step()
+        scheduler.step()
         losses.append(loss.item())
     return losses
+
+
+def exported_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights ``from_pretrained`` loads from what ``ps.save(..., format="huggingface")``
+    wrote, once the model's config is written beside them."""
+    from transformers import AutoModelForCausalLM
+
+    config().save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return {k: v.detach() for k, v in model.named_parameters()}
 
 
 def mesh_arg(text: str) -> dict[str, int]:
@@ -318,6 +364,12 @@ def first_mesh_arg(text: str) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "threads"),
+        default="gloo",
+        help="ranks as processes or threads",
+    )
     parser.add_argument("--save-at", type=int, default=3, help="save after this many steps")
     parser.add_argument("--microbatches", type=int, choices=(1, 2), default=2)
     parser.add_argument("--attention", choices=("ulysses", "ring"), default="ulysses")
@@ -336,12 +388,20 @@ def main() -> None:
     if not 0 < args.save_at < args.steps:
         parser.error("--save-at must be between 0 and --steps")
     resume = args.resume_mesh
+    warnings.simplefilter("ignore")
     with tempfile.TemporaryDirectory() as tmp:
         args.path = os.path.join(tmp, f"step-{args.save_at}")
+        args.pretrained = os.path.join(tmp, "pretrained")
+        args.export = os.path.join(tmp, "trained")
+        initial_model(MASTERS[args.dtype]).save_pretrained(args.pretrained)  # the start
         nprocs = math.prod(args.mesh.values())
-        (losses, again, (held, whole)), *_ = ps.spawn(first_run, args, nprocs=nprocs)
-        resumed = ps.spawn(resumed_run, args, nprocs=resume["dp"] * resume["sp"])[0]
-    warnings.simplefilter("ignore")
+        (losses, again, (held, whole), trained), *_ = ps.spawn(
+            first_run, args, nprocs=nprocs, backend=args.backend
+        )
+        resumed = ps.spawn(
+            resumed_run, args, nprocs=resume["dp"] * resume["sp"], backend=args.backend
+        )[0]
+        exported = exported_weights(args.export, MASTERS[args.dtype])
     plain = reference(args.steps, args.dtype)
 
     where = ",".join(f"{k}={v}" for k, v in resume.items())
@@ -366,7 +426,12 @@ def main() -> None:
         ("resumed on the same mesh against the run", after, again, 0.0),
         (f"resumed on {where} against the run", after, resumed, plain_tol),
     ]
-    failed = []
+    same = exported.keys() == trained.keys() and all(
+        torch.equal(exported[k], trained[k]) for k in trained
+    )
+    print(f"exported in Hugging Face's format, loaded by from_pretrained: "
+          f"{'the trained weights, bit for bit' if same else 'OTHER WEIGHTS'}")  # fmt: skip
+    failed = [] if same else ["the exported weights"]
     for what, want, got, tol in checks:
         diff = max(abs(a - b) for a, b in zip(want, got, strict=True))
         print(f"max difference, {what}: {diff:.2e} (tolerance {tol:g})")

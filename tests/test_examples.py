@@ -24,10 +24,25 @@ THREADS = ["--backend", "threads"]
         ("attention.py", ["--nprocs", "2", *THREADS]),
         ("module_hooks.py", ["--nprocs", "2", *THREADS]),
         ("hf_llama.py", ["--nprocs", "2", "--steps", "3", "--checkpointing", *THREADS]),
-        ("functional_llama.py", ["--steps", "2", "--save-at", "1", "--microbatches", "1"]),
         (
             "functional_llama.py",
-            ["--steps", "2", "--save-at", "1", "--microbatches", "1", "--dtype", "bf16"],
+            ["--steps", "2", "--save-at", "1", "--microbatches", "1", *THREADS],
+        ),
+        (
+            "functional_llama.py",
+            [
+                "--steps",
+                "2",
+                "--save-at",
+                "1",
+                "--microbatches",
+                "1",
+                "--dtype",
+                "bf16",
+                "--mesh",
+                "dp=2,tp=2",
+                *THREADS,
+            ],
         ),  # fmt: skip
     ],
 )
