@@ -81,7 +81,7 @@ import pshard as ps
 P = ps.P
 VOCAB, SEQ, ROWS = 64, 12, 4
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.01
-MAX_NORM, WARMUP = 1.0, 2  # global-norm clipping; the learning rate's warm-up steps
+MAX_NORM = 1.0  # global-norm clipping
 # --dtype: the masters' dtype, and sharded_call's policy
 MASTERS = {"float64": torch.float64, "bf16": torch.float32}
 POLICIES = {"float64": {}, "bf16": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}}
@@ -177,8 +177,10 @@ def param_specs(model: torch.nn.Module, tp: bool) -> P | dict[str, P]:
 
 # ----------------------------------------------------------------------------- the optimizer
 def schedule(steps: int) -> ps.optim.Schedule:
-    """Warm-up from LR / 10 to LR over ``WARMUP`` steps, then a cosine decay to LR / 10."""
-    return ps.optim.warmup_cosine_decay_schedule(LR / 10, LR, WARMUP, steps, end_value=LR / 10)
+    """Warm-up from LR / 10 to LR over the first third of the steps, then a cosine decay to
+    LR / 10."""
+    warmup = max(1, steps // 3)
+    return ps.optim.warmup_cosine_decay_schedule(LR / 10, LR, warmup, steps, end_value=LR / 10)
 
 
 def optimizer(steps: int) -> ps.optim.GradientTransformation:

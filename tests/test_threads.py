@@ -491,3 +491,11 @@ def test_torch_distributed_on_torch_func_wrappers(procs):
     gloo = procs.run(2, _raw_collectives_under_grad)
     for t, g in zip(threads, gloo, strict=True):
         assert torch.equal(t, g)
+
+
+def test_the_callers_excepthook_is_its_own_after_a_run():
+    """Each rank's init_process_group wraps sys.excepthook with its "[rankN]: " prefix: the
+    caller's own tracebacks came out as "[rank3]: [rank2]: [rank1]: [rank0]: ..." after a run."""
+    hook = sys.excepthook
+    ps.spawn(dist.get_rank, nprocs=4, backend="threads")
+    assert sys.excepthook is hook

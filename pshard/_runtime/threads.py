@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -160,6 +161,7 @@ def run_threads(
             turns.leave(task, ended)
 
     rng, dtype, ad = torch.get_rng_state(), torch.get_default_dtype(), ad_state()
+    hook = sys.excepthook  # each rank's init_process_group wraps it with a "[rankN]:" prefix
     threads = [
         threading.Thread(
             target=contextvars.Context().run, args=(body, r), name=f"pshard-rank{r}", daemon=True
@@ -187,6 +189,7 @@ def run_threads(
         torch.set_rng_state(rng)
         torch.set_default_dtype(dtype)
         set_ad_state(ad)
+        sys.excepthook = hook
     left = [t.name for t in threads if t.is_alive()]
     if left:
         raise SpawnError(
