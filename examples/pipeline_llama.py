@@ -163,8 +163,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=3)
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zero_bubble"])
+    parser.add_argument(
+        "--backend", choices=("gloo", "threads"), default="gloo", help="ranks: processes, threads"
+    )
     args = parser.parse_args()
-    got = ps.spawn(rank, args.steps, args.microbatches, args.schedule, nprocs=len(CUTS))
+    got = ps.spawn(
+        rank, args.steps, args.microbatches, args.schedule, nprocs=len(CUTS), backend=args.backend
+    )
     want = reference(args.steps)
     print(f"{'step':>4}  {'pipeline':>14}  {'one process':>14}")
     for i, (a, b) in enumerate(zip(got[0], want, strict=True)):

@@ -175,8 +175,8 @@ def _attention_body(kind: str, backend: str) -> None:
     _close(compiled[1][0], full)
 
 
-@pytest.mark.parametrize("kind", ["ulysses", "ring"])
-@pytest.mark.parametrize("backend", BACKENDS)
+# each attention once, each backend once (the collectives run under both just above)
+@pytest.mark.parametrize(("kind", "backend"), [("ulysses", "inductor"), ("ring", "aot_eager")])
 def test_sequence_parallel_attention_compiles(procs, kind, backend):
     procs.run(2, _attention_body, kind, backend)
 

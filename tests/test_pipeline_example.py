@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+THREADS = ["--backend", "threads"]  # the ranks as threads: processes are not the point here
 
 
 def test_hugging_face_llama_in_pipeline_stages_trains_as_one_process():
@@ -15,7 +16,7 @@ def test_hugging_face_llama_in_pipeline_stages_trains_as_one_process():
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "pipeline_llama.py"), "--steps", "2"],
+        [sys.executable, str(ROOT / "examples" / "pipeline_llama.py"), "--steps", "2", *THREADS],
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import pshard as ps
 from pshard._runtime.spawn import RemoteTraceback
+from pshard._runtime.stalls import STUCK_S
 
 
 def _gone(pid: int) -> bool:
@@ -311,7 +312,9 @@ def _return_early_on_rank1():
 
 def _uneven_work():
     if dist.get_rank() == 1:
-        time.sleep(5)  # computing for longer than the 3 s stall threshold, not waiting: fine
+        time.sleep(
+            STUCK_S + 0.5
+        )  # computing for longer than the stall threshold, not waiting: fine
     return dist.get_rank()
 
 
