@@ -24,8 +24,9 @@ size (``--width 128 --vocab 2000`` stays in the heap); with a caching allocator 
 not.
 
 Usage: ``python benchmarks/optim.py [--width 1024] [--layers 4] [--vocab 32000] [--ranks 4]
-[--rounds 15]``. Target: donate about 1.0x torch, pure at most 1.3x where allocating is cheap
-(the test suite asserts 1.75x pure on heap-sized blocks and 1.5x donating on larger ones).
+[--rounds 15] [--device cpu|cuda]``. Target: donate about 1.0x torch, pure at most 1.3x where
+allocating is cheap (the test suite asserts 1.75x pure on heap-sized blocks and 1.5x donating on
+larger ones).
 """
 
 from __future__ import annotations
@@ -91,12 +92,15 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     ps.init_mesh({"dp": 1})
 
-    blocks = _blocks(_shapes(args.width, args.layers, args.vocab), args.ranks, seed=0)
-    grad_blocks = _blocks(_shapes(args.width, args.layers, args.vocab), args.ranks, seed=1)
+    shapes = _shapes(args.width, args.layers, args.vocab)
+    blocks = {k: v.to(device) for k, v in _blocks(shapes, args.ranks, seed=0).items()}
+    grad_blocks = {k: v.to(device) for k, v in _blocks(shapes, args.ranks, seed=1).items()}
     count = sum(b.numel() for b in blocks.values())
 
     leaves = [b.clone().requires_grad_() for b in blocks.values()]
@@ -136,12 +140,16 @@ def main() -> None:
         )
 
     fns = {"torch": opt.step, "pure": pure_step, "donate": donate_step, "tree_map": tree_map_step}
-    medians, ratios = _time(fns, refresh, args.rounds)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    medians, ratios = _time(fns, refresh, args.rounds, sync)
 
+    where = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} thread(s)"
+    )
     print(
         f"AdamW step on {len(blocks)} blocks, {count / 1e6:.1f} M float32 elements per rank "
         f"(width {args.width}, {args.layers} layers, vocab {args.vocab}, {args.ranks} ranks), "
-        f"{args.threads} thread(s), {args.rounds} rounds"
+        f"{where}, {args.rounds} rounds"
     )
     print("| step | median (ms) | ratio to torch (per-round median) |")
     print("|---|---|---|")
@@ -150,18 +158,23 @@ def main() -> None:
 
 
 def _time(
-    fns: dict[str, Callable[[], None]], refresh: Callable[[], None], rounds: int
+    fns: dict[str, Callable[[], None]],
+    refresh: Callable[[], None],
+    rounds: int,
+    sync: Callable[[], None],
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Per step: the median over interleaved rounds of each round's best of three calls (ms),
     and the median of the per-round ratios to ``fns["torch"]``; ``refresh`` runs after each
-    donating call, untimed."""
+    donating call, untimed; ``sync`` waits for the device before and after each timed call."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(rounds + 2):  # 2 warm-up rounds, the allocator included
         for name, f in fns.items():
             best = float("inf")
             for _ in range(3):
+                sync()
                 t0 = time.perf_counter()
                 f()
+                sync()
                 best = min(best, time.perf_counter() - t0)
                 if name == "donate":
                     refresh()

@@ -267,6 +267,15 @@ def test_prefetch_changes_no_bit(pool: Any, nprocs: int, inside: bool, accelerat
         pool.run(nprocs, _overlap_worker, nprocs, inside)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("inside", [False, True])
+def test_prefetch_on_cuda_streams_changes_no_bit(inside: bool) -> None:
+    """On a GPU the gathers are issued on a side stream and the reduce-scatters left in flight
+    on another (a world of one in this process: the streams, not the ranks, are the point)."""
+    with torch.device("cuda"):
+        _overlap_worker(1, inside)
+
+
 def test_policy_errors() -> None:
     ps.init_mesh({"dp": 1})
     model, whole = _model()
