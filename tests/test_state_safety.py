@@ -83,6 +83,36 @@ def test_a_save_switching_mid_load_gives_one_checkpoint(
     assert saved and _whole(load(path, _like())) == 2
 
 
+def test_a_load_that_opens_a_checkpoint_being_deleted_reads_the_next(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The load opens step 1's directory just as a save of step 2 has switched the path and is
+    deleting step 1's files: the manifest is gone, DCP's metadata not yet. That is the next
+    checkpoint arriving, not a damaged one: the load opens the path again and returns step 2
+    (it said "the checkpoint ... is damaged: ... its manifest pshard.json ... is missing")."""
+    from pshard._state.opened import OpenedCheckpoint
+
+    path = _ckpt(tmp_path)
+    save(path, _state(1))
+    exists, remove = OpenedCheckpoint.exists, atomic._remove
+    saved: list[int] = []
+
+    def manifest_only(entry: Path) -> None:  # the deletion caught after its first file
+        (entry / MANIFEST).unlink()
+
+    def switching(self: OpenedCheckpoint, name: str) -> bool:
+        if not saved:
+            saved.append(2)
+            monkeypatch.setattr(atomic, "_remove", manifest_only)
+            save(path, _state(2))
+            monkeypatch.setattr(atomic, "_remove", remove)
+        return exists(self, name)
+
+    monkeypatch.setattr(OpenedCheckpoint, "exists", switching)
+    assert _whole(load(path, _like())) == 2
+    assert saved
+
+
 def test_loads_beside_a_saving_thread_each_get_one_checkpoint(tmp_path: Path) -> None:
     """A stress loop: loads in a loop while another thread saves step after step into the
     same path; every load is one whole checkpoint, and the steps seen only go up."""

@@ -113,6 +113,8 @@ def open_checkpoint(opened: OpenedCheckpoint, target: Path, fn: str) -> Checkpoi
                 f"checkpoint's files were mixed by hand: restore them or load another checkpoint"
             )
     elif isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX):
+        if opened.replaced():  # a save switched the path and is deleting these files
+            raise Replaced(MANIFEST)
         raise FileNotFoundError(
             errno.ENOENT,
             f"{fn}: the checkpoint at {where!r} is damaged: pshard wrote it (DCP's "
