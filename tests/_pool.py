@@ -10,8 +10,10 @@ The rest of this docstring is the process pool's.
 
 One gang of ``nprocs`` workers per world size, started on first use and reused by later tests
 (process group kept alive). Built on ``pshard._runtime.gang.Gang``, the machinery under
-``ps.spawn``: same start-up, loopback rendezvous, remote tracebacks, stall detection and
-teardown.
+``ps.spawn``: same rendezvous, remote tracebacks, stall detection and teardown. The workers are
+forked from a server that imported torch and pshard once (multiprocessing's forkserver), so
+that a gang torn down by a failure test starts again in a fraction of a second rather than an
+import of torch per rank; ``ps.spawn`` starts fresh interpreters (tests/test_spawn.py).
 
     results = pool.run(nprocs, fn, *args, timeout=120.0, **kwargs)  # per-rank values, rank order
 
@@ -31,6 +33,7 @@ that returned, or ranks waiting for each other), ``timeout`` passed, or the grou
 from __future__ import annotations
 
 import contextvars
+import multiprocessing
 import time
 import warnings
 from collections.abc import Callable
@@ -64,6 +67,8 @@ class WorkerPool:
 
     def __init__(self, backend: str = "gloo") -> None:
         self._backend = backend
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["torch", "pshard"])
         self._gangs: dict[int, Gang] = {}
         self.starts: dict[int, int] = {}  # gangs started per world size (restarts are visible)
 
@@ -73,7 +78,7 @@ class WorkerPool:
             return gang
         if gang is not None:
             self._gangs.pop(nprocs).kill()
-        gang = Gang(nprocs, backend=self._backend, caller="pool.run")
+        gang = Gang(nprocs, backend=self._backend, caller="pool.run", context=self._context)
         self.starts[nprocs] = self.starts.get(nprocs, 0) + 1
         try:
             gang.wait_ready(time.monotonic() + _STARTUP_TIMEOUT_S, _STARTUP_TIMEOUT_S)

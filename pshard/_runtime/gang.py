@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import multiprocessing.process
 import os
 import pickle
@@ -64,11 +65,21 @@ class Gang:
     ``call`` runs one task on every rank; on any failure the whole gang is torn down before the
     error is raised (except when every rank finished: then it stays usable). ``close`` stops the
     workers cleanly; ``kill`` tears them down. Neither leaves a process or a zombie behind.
-    ``caller`` (``"spawn"``, ``"pool.run"``) starts every error message.
+    ``caller`` (``"spawn"``, ``"pool.run"``) starts every error message. ``context`` is the
+    multiprocessing context the workers start from: ``"spawn"``'s by default (a fresh
+    interpreter per rank, the caller's environment as it is at the call).
     """
 
     def __init__(
-        self, nprocs: int, *, backend: str = "gloo", pg_timeout_s: float = 1800.0, caller: str
+        self,
+        nprocs: int,
+        *,
+        backend: str = "gloo",
+        pg_timeout_s: float = 1800.0,
+        caller: str,
+        context: multiprocessing.context.SpawnContext
+        | multiprocessing.context.ForkServerContext
+        | None = None,
     ) -> None:
         self.nprocs = nprocs
         self.caller = caller
@@ -95,7 +106,7 @@ class Gang:
                 raise
         finally:
             listener.close()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = context or multiprocessing.get_context("spawn")
         try:
             for rank in range(nprocs):
                 ours, theirs = ctx.Pipe(duplex=True)
