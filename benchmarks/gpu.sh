@@ -11,6 +11,8 @@ python -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_
 timeout 300 python -m pytest -q -p no:cacheprovider -rs \
     tests/test_ring_kernels.py::test_on_a_cuda_device \
     tests/test_remat.py::test_random_ops_on_cuda \
+    tests/test_remat.py::test_offload_on_cuda \
+    tests/test_remat.py::test_offload_keeps_what_the_policy_keeps_in_cpu_memory \
     tests/test_remat_modes.py::test_cuda_amp_loop_matches_torch_utils_checkpoint \
     tests/test_sharded_call_policy.py::test_prefetch_on_cuda_streams_changes_no_bit || status=1
 timeout 120 python benchmarks/optim.py --device cuda || status=1

@@ -561,6 +561,48 @@ def test_random_ops_with_an_explicit_generator(how: str) -> None:
     close(got, pullback(f, False))
 
 
+def _attention_layer(device: str) -> tuple[Callable, dict, torch.Tensor]:
+    """A decoder's attention block whose reshape of the attention's output is a view only
+    because of the strides SDPA gives that output."""
+    torch.manual_seed(0)
+    width, heads, b, s = 32, 4, 2, 16
+    qkv, proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+    params = {
+        "qkv": qkv.weight.detach().to(device),
+        "proj": proj.weight.detach().to(device),
+    }
+
+    def layer(p: dict, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ p["qkv"].t()).view(b, s, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + a.transpose(1, 2).reshape(b, s, width) @ p["proj"].t()
+
+    return layer, params, torch.randn(b, s, width, device=device)
+
+
+def _offload_attention(device: str) -> None:
+    layer, params, x = _attention_layer(device)
+    f = checkpoint(layer, policy=cp.offload(cp.dots_saveable))
+    got = grad(lambda p: f(p, x).square().sum())(params)
+    want = grad(lambda p: layer(p, x).square().sum())(params)
+    close([got[k].cpu() for k in sorted(got)], [want[k].cpu() for k in sorted(want)])
+
+
+def test_offloaded_values_keep_their_strides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What offload keeps comes back with its strides: the attention's output restored
+    contiguous made the reshape after it a copy, and the recompute "took another path" (on a
+    GPU, where offloading copies; the copy forced here on the CPU)."""
+    from pshard._remat import record
+
+    monkeypatch.setattr(record, "_offload", lambda t: record.host_copy(t, pin=False))
+    _offload_attention("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_on_cuda() -> None:
+    _offload_attention("cuda")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_random_ops_on_cuda() -> None:
     def f(w, x):

@@ -231,7 +231,13 @@ class Recorder(compat.TorchDispatchMode):
 
 
 def _offload(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    return host.copy_(t, non_blocking=True)
+    return t if t.device.type == "cpu" else host_copy(t, pin=True)
+
+
+def host_copy(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    """``t`` copied to CPU memory (pinned with ``pin``, the copy then asynchronous), with
+    ``t``'s strides where it is dense: a value kept for the recompute must come back as the
+    forward had it, or the operators after it take another path (a reshape that was a view of
+    it copies)."""
+    host = torch.empty_like(t, device="cpu", pin_memory=pin)
+    return host.copy_(t, non_blocking=pin)
