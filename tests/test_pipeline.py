@@ -39,9 +39,9 @@ def _layers(n=8, d=D, seed=0):
     ]  # fmt: skip
 
 
-def _data(b, seed=1):
+def _data(b, seed=1, d=D):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, D, generator=g, dtype=f64), torch.randn(b, D, generator=g, dtype=f64)
+    return torch.randn(b, d, generator=g, dtype=f64), torch.randn(b, d, generator=g, dtype=f64)
 
 
 def _reference(layers, x, t, m, loss_fn=sq_loss, model=mlp):

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pipeline import _data as _pipeline_data
+from test_pipeline import _layers as _pipeline_layers
+from test_pipeline import _max_diff as _diff
+from test_pipeline import _reference, layer, mlp, sq_loss
 
 import pshard as ps
 
@@ -14,43 +18,18 @@ P = ps.P
 D = 5
 
 
-def layer(p, x):
-    return torch.tanh(x @ p["w"] + p["b"])
-
-
-def mlp(params, x):
-    for p in params:
-        x = layer(p, x)
-    return x
-
-
-def sq_loss(y, t):
-    return ((y - t) ** 2).sum()
-
-
 def _layers(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        {"w": torch.randn(D, D, generator=g, dtype=f64) / D**0.5,
-         "b": torch.randn(D, generator=g, dtype=f64) * 0.1}
-        for _ in range(n)
-    ]  # fmt: skip
+    return _pipeline_layers(n, d=D, seed=seed)
 
 
 def _data(b):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(b, D, generator=g, dtype=f64), torch.randn(b, D, generator=g, dtype=f64)
+    return _pipeline_data(b, d=D)
 
 
 def _reference_grads(layers, x, t):
-    leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in layers]
-    loss = sq_loss(mlp(leaves, x), t)
-    loss.backward()
-    return loss.item(), [{k: v.grad for k, v in p.items()} for p in leaves]
-
-
-def _diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in b)
+    """The one-process loss (a float) and the gradient of every layer."""
+    loss, grads = _reference(layers, x, t, 1)
+    return loss.item(), grads
 
 
 def rank_dp_pp(dp, pp, schedule):
