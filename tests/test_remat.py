@@ -1161,3 +1161,132 @@ def test_writing_a_differentiated_argument_in_place_is_an_error() -> None:
     for arg in (x, x * 1):
         with pytest.raises(ValueError, match=re.escape(msg)):
             checkpoint(f)(arg)
+
+
+# --- values that leave the function by another route ---------------------------------------------
+
+
+def _with_side(side: list[torch.Tensor]) -> Callable:
+    def f(w, x):
+        h = x @ w
+        side.append(torch.sin(h))  # leaves by a list, not by the return value
+        return torch.cos(h)
+
+    return f
+
+
+def _side_loss(f: Callable, side: list[torch.Tensor]) -> Callable:
+    def loss(w, x):
+        side.clear()
+        out = f(w, x)
+        return out.sum() + 3 * side[0].sum()
+
+    return loss
+
+
+SIDE_RUNS: dict[str, Callable[[Callable], Any]] = {
+    "grad": lambda loss: grad(loss, (0, 1))(W, X),
+    "backward": lambda loss: (lambda w, x: (loss(w, x).backward(), (w.grad, x.grad))[1])(
+        W.clone().requires_grad_(), X.clone().requires_grad_()
+    ),
+    "vjp": lambda loss: vjp(loss, W, X)[1](torch.tensor(1.0, dtype=f64)),
+    "jvp": lambda loss: jvp(loss, (W, X), (torch.ones_like(W), X))[1],
+    "vmap_grad": lambda loss: vmap(grad(loss), (None, 0))(W, torch.stack([X, X * 2])),
+    "grad_vmap": lambda loss: grad(lambda w: vmap(loss, (None, 0))(w, torch.stack([X, -X])).sum())(
+        W
+    ),
+    "hessian": lambda loss: hessian(loss)(W, X),
+}
+
+
+@pytest.mark.parametrize("policy", ["nothing", "dots", "names"])
+@pytest.mark.parametrize("run", list(SIDE_RUNS))
+def test_values_that_leave_by_a_list_carry_their_gradient(run: str, policy: str) -> None:
+    """f appends sin(x @ w) to a list and returns cos(x @ w); the loss reads both: the
+    gradient has the side route's term (it was silently dropped)."""
+    side: list[torch.Tensor] = []
+    f = _with_side(side)
+    want = SIDE_RUNS[run](_side_loss(f, side))
+    got = SIDE_RUNS[run](_side_loss(checkpoint(f, policy=POLICIES[policy]), side))
+    close(got, want)
+
+
+def test_values_recorded_by_forward_hooks_carry_their_gradient() -> None:
+    """A forward hook inside a checkpointed module records an inner layer's output (as Hugging
+    Face records router logits), and the hook of the checkpointed layer records its own output
+    (as it records hidden states): both get their gradients."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+    layer = layer.to(f64)
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        layer[0].register_forward_hook(lambda m, a, out: seen.__setitem__("inner", out)),
+        layer.register_forward_hook(lambda m, a, out: seen.__setitem__("outer", out)),
+    ]
+    params = dict(layer.named_parameters())
+    x = randn(3, 4)
+
+    def loss(p, module):
+        seen.clear()
+        y = functional_call(module, p, (x,))
+        return (y**2).sum() + 3 * seen["inner"].sin().sum() + (seen["outer"] * 2).sum()
+
+    try:
+        want = grad(loss)(params, layer)
+        got = grad(loss)(params, checkpoint(layer))
+        close(got, want)
+        # .backward() too
+        p = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+        loss(p, checkpoint(layer)).backward()
+        close({k: v.grad for k, v in p.items()}, want)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_values_that_leave_nested_checkpoints_carry_their_gradient() -> None:
+    """A value that leaves an inner checkpoint leaves the outer one too; one that the outer
+    function only reads does not."""
+    side: list[torch.Tensor] = []
+
+    def inner(w, x):
+        h = x @ w
+        side.append(torch.sin(h))
+        return torch.cos(h)
+
+    def outer(w, x, ck):
+        local: list[torch.Tensor] = []
+        y = (checkpoint(inner) if ck else inner)(w, x)
+        local.append(y * 2)  # leaves nothing: the list dies with the call
+        side.append(local[0].exp())
+        return y.tanh()
+
+    def loss(ck):
+        def fn(w, x):
+            side.clear()
+            out = (checkpoint(outer) if ck else outer)(w, x, ck)
+            return out.sum() + 3 * side[0].sum() + side[1].sum()
+
+        return fn
+
+    close(grad(loss(True), (0, 1))(W, X), grad(loss(False), (0, 1))(W, X))
+
+
+def test_values_that_leave_and_depend_on_each_other() -> None:
+    """Two values that leave, one computed from the other (saved by its derivative)."""
+    side: list[torch.Tensor] = []
+
+    def f(w, x):
+        a = x @ w
+        side.extend([a, a * a])
+        return a.sum(0)
+
+    def loss(fn):
+        def run(w, x):
+            side.clear()
+            return fn(w, x).sum() + side[0].sin().sum() + side[1].cos().sum()
+
+        return run
+
+    close(grad(loss(checkpoint(f)), (0, 1))(W, X), grad(loss(f), (0, 1))(W, X))
+    close(SIDE_RUNS["backward"](loss(checkpoint(f))), SIDE_RUNS["backward"](loss(f)))

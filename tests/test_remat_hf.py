@@ -133,3 +133,62 @@ def test_gpt2_with_dropout_in_sharded_call_units() -> None:
     for k in want:
         torch.testing.assert_close(ps.gather(got[k]), want[k], rtol=1e-9, atol=1e-12, msg=k)
     assert torch.equal(after, state)
+
+
+def _mixtral(layers: int = 2) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        router_aux_loss_coef=0.5,
+        output_router_logits=True,
+        attn_implementation="sdpa",
+        experts_implementation="eager",  # grouped_mm refuses float64 on the CPU
+    )
+    return MixtralForCausalLM(config).double().train()
+
+
+def test_moe_router_gradients_through_checkpointed_layers() -> None:
+    """Hugging Face records the router logits with forward hooks inside the decoder layers it
+    checkpoints (and inside the units sharded_call checkpoints): the load-balancing loss's
+    gradient reaches the routers, as without checkpoints (it was silently dropped)."""
+    plain = _mixtral()
+    model = _mixtral()
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    ids = torch.randint(0, V, (2, 9))
+    kwargs = {"labels": ids, "use_cache": False}
+
+    def aux(m: torch.nn.Module, call: Any = functional_call) -> Any:
+        return lambda p: call(m, p, (ids,), kwargs).aux_loss
+
+    def total(m: torch.nn.Module, call: Any = functional_call) -> Any:
+        return lambda p: call(m, p, (ids,), kwargs).loss
+
+    for loss in (aux, total):
+        want = grad(loss(plain))(params)
+        assert want["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+        got = grad(loss(model))(params)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+    # sharded_call's units are checkpoints too
+    ps.init_mesh({"dp": 1})
+    plain_units = _mixtral()
+    sharded = ps.shard(params, ps.P("dp"))
+    got = grad(total(plain_units, ps.sharded_call))(sharded)
+    for k in want:
+        torch.testing.assert_close(ps.gather(got[k]), want[k], rtol=1e-9, atol=1e-12, msg=k)
+    # and under .backward()
+    model.zero_grad()
+    model(ids, **kwargs).loss.backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12, msg=k)

@@ -134,6 +134,9 @@ from .base import (
     strided_shard_type as strided_shard_type,
 )
 from .base import (
+    swap_contents as swap_contents,
+)
+from .base import (
     top_transform as top_transform,
 )
 from .base import (
@@ -153,6 +156,9 @@ from .base import (
 )
 from .base import (
     unwrap_level as unwrap_level,
+)
+from .base import (
+    use_count as use_count,
 )
 from .base import (
     wrap_level as wrap_level,
@@ -244,7 +250,9 @@ __all__ = [
     "unseen_writes",
     "unwrap_dead",
     "unwrap_dead_tensor",
+    "swap_contents",
     "unwrap_level",
+    "use_count",
     "when_compiling",
     "wrap_level",
 ]

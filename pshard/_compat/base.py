@@ -57,7 +57,9 @@ __all__ = [
     "transforms_active",
     "unwrap_dead",
     "unwrap_dead_tensor",
+    "swap_contents",
     "unwrap_level",
+    "use_count",
     "wrap_level",
 ]
 
@@ -359,6 +361,22 @@ def reparametrized(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
 
     with _reparametrize_module(module, dict(tensors), tie_weights=False, strict=False):
         yield
+
+
+def swap_contents(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Make the Python object ``a`` hold ``b``'s tensor and ``b`` hold ``a``'s
+    (``torch.utils.swap_tensors`` without its check that nothing else holds either tensor:
+    what else holds ``a``'s tensor, a dead transform's graph, keeps it unchanged)."""
+    if type(a) is not type(b):
+        raise TypeError(
+            f"a {type(a).__qualname__} cannot take the place of a {type(b).__qualname__}"
+        )
+    torch._C._swap_tensor_impl(a, b)
+
+
+def use_count(t: torch.Tensor) -> int:
+    """How many references hold ``t``'s C++ tensor (its Python object's one among them)."""
+    return int(t._use_count())  # type: ignore[attr-defined]
 
 
 def completed_work(tensors: Sequence[torch.Tensor]) -> Any:

@@ -11,7 +11,7 @@ and under its autocast state, :mod:`pshard._remat.modes`), and the rules of :cla
 Three details make it exact and make it save memory (see :mod:`pshard._remat.checkpoint`):
 the rules never cut the graph with ``detach()``/``no_grad()`` (outer transforms would lose
 it); the ``grad`` level running a backward is taken off functorch's stack while it recomputes
-(:func:`_stripped`); and under a ``torch.func`` level the inputs are held by :class:`_Held`,
+(:func:`stripped`); and under a ``torch.func`` level the inputs are held by :class:`Held`,
 released once that level's backward ran, since ``torch.func.grad`` retains its whole graph.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,15 @@ from pshard._core.tree import NAMESPACE, tree_flatten, tree_unflatten
 
 from .. import _compat as compat
 from . import modes
+from .escapes import Made, hand_over, untracked
+from .levels import (
+    Held,
+    detached,
+    differentiated,
+    differentiating,
+    running_level,
+    stripped,
+)
 from .lift import Lifted
 from .names import NAMER
 from .policies import Policy
@@ -136,6 +146,16 @@ class Call:
         self.out_meta: list[tuple[torch.Size, torch.dtype]] = []
         self.float_outputs: list[int] = []
         self.returned: list[torch.Tensor] = []
+        # the tensors that left the function by another route than its return value (see
+        # pshard._remat.escapes), the Function's output each becomes (after the ``n_returned``
+        # tensors the function returned, unless it is one of those), and the tracker that
+        # found them, closed once they are swapped
+        self.n_returned = 0
+        self.left: list[torch.Tensor] = []
+        self.left_as: list[int] = []
+        self.left_from: list[int] = []  # the forward's operation that computed each
+        self.made: Made | None = None
+        self.helds: list[Held] = []  # what the levels hold of the inputs (see Held)
 
     def body(self, xs: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.leaves)
@@ -148,14 +168,44 @@ class Call:
     def apply(self) -> Any:
         """Run the call through :class:`_Checkpoint` and rebuild ``fn``'s output."""
         inputs, self.inputs = self.inputs, []
-        outs = _Checkpoint.apply(self, *inputs)
+        try:
+            with untracked():  # the checkpoint's own operations are no calls of the caller
+                outs = list(_Checkpoint.apply(self, *inputs))
+                self._swap_left(outs)
+        finally:
+            if self.made is not None:
+                self.made.close(self.left)
+            self.made, self.left = None, []
+        # the outputs are results of a call of the function that called the checkpoint; what
+        # the levels hold of its inputs is no route out of that function
+        hand_over(outs, self.helds)
+        self.helds = []
         if self.tape is not None:  # every level has handed what the forward kept to autograd
             self.tape.kept = []
         self.lifted.tensors, self.returned = [], []
-        it = iter(outs)
+        it = iter(outs[: self.n_returned])
         leaves = [next(it) if x is None else x for x in self.out_leaves]
         assert self.out_treedef is not None  # set by the forward
         return tree_unflatten(self.out_treedef, leaves)
+
+    def _swap_left(self, outs: list[torch.Tensor]) -> None:
+        """Each tensor that left the function by another route becomes the ``Function``'s output
+        for it, in place (the list, dict or attribute holding it sees its gradient); one that
+        is also returned is returned as that same object."""
+        for t, k, j in zip(self.left, self.left_as, self.left_from, strict=True):
+            try:
+                compat.swap_contents(t, outs[k])
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(
+                    f"ps.checkpoint: {self.name} let a tensor out by another route than its "
+                    f"return value (shape {tuple(t.shape)}, {t.dtype}: appended to a list, "
+                    f"written to a dict or an attribute, or recorded by a forward hook), and "
+                    f"it cannot be given its gradient ({e}); return it from the function "
+                    f"instead"
+                ) from e
+            outs[k] = t
+            if self.tape is not None:  # what the recompute may read back from outside (a cache)
+                self.tape.made.append((weakref.ref(compat.innermost(t)), j))
 
     def saved(self) -> list[torch.Tensor]:
         """What a ``setup_context`` hands autograd after the inputs: the values kept."""
@@ -173,24 +223,51 @@ class Call:
         tape = Tape(self.name, self.policy, vmapped=vmapped)
         recorder = Recorder(tape, xs, needs)
         guard = _ClosureGuard(self.name, recorder.knows) if self.transformed else None
+        self.made = made = Made()
         token = NAMER.set(recorder.name)
         try:
             if vmapped:
                 with torch.set_grad_enabled(False), recorder, guard or contextlib.nullcontext():
-                    outs = self._outputs(self._body_forward(xs))
+                    with made:
+                        outs = self._outputs(self._body_forward(xs))
+                    outs += self._note_left(made, outs, recorder, None)
             else:
-                outs = self._forward_at_level(xs, needs, recorder, guard)
+                outs = self._forward_at_level(xs, needs, recorder, guard, made)
             returned = tuple(t.detach() for t in outs)
-            recorder.finish(outs, returned)
+            recorder.finish(outs, returned[: self.n_returned])
         finally:
             NAMER.reset(token)
         if tape.error is not None:
             raise tape.error
         self.out_meta = [(t.shape, t.dtype) for t in outs]
         self.float_outputs = [k for k, t in enumerate(outs) if _float(t)]
+        tape.left_meta = self.out_meta[self.n_returned :]
         self.tape = tape
-        self.returned = list(returned)
+        self.returned = list(returned[: self.n_returned])
         return returned
+
+    def _note_left(
+        self, made: Made, outs: list[torch.Tensor], recorder: Recorder, level: int | None
+    ) -> list[torch.Tensor]:
+        """Note the tensors that left the function by another route than ``outs``, what it
+        returned (see :mod:`pshard._remat.escapes`), and were computed from its inputs;
+        returns the new outputs they add (as seen below ``level``)."""
+        left = made.left(outs, recorder.holding())
+        self.n_returned = len(outs)
+        position = {id(t): k for k, t in enumerate(outs)}
+        added: list[torch.Tensor] = []
+        for t in left:
+            src = recorder.derived_source(t)
+            if src is None:
+                continue  # no derivative to carry (a constant, integer data)
+            k = position.get(id(t))
+            if k is None:
+                k = len(outs) + len(added)
+                added.append(t if level is None else compat.unwrap_level(t, level))
+            self.left.append(t)
+            self.left_as.append(k)
+            self.left_from.append(src[1])
+        return added
 
     def _outputs(self, out: Any) -> list[torch.Tensor]:
         """The tensors of ``out``; notes its structure and other leaves."""
@@ -204,6 +281,7 @@ class Call:
         needs: list[bool],
         recorder: Recorder,
         guard: _ClosureGuard | None,
+        made: Made,
     ) -> list[torch.Tensor]:
         """The forward inside a ``torch.func`` level, as the recompute runs, so that the two
         dispatch alike: autocast, which sits below the levels, casts there the operators a
@@ -227,11 +305,13 @@ class Call:
                 guard.own.add(level)
             try:
                 with recorder, guard or contextlib.nullcontext():
-                    outs = self._outputs(self._body_forward(ys))
+                    with made:
+                        outs = self._outputs(self._body_forward(ys))
+                    added = self._note_left(made, outs, recorder, level)
             finally:
                 if guard is not None:
                     guard.own.discard(level)
-            return [compat.unwrap_level(t, level) for t in outs]
+            return [compat.unwrap_level(t, level) for t in outs] + added
 
     def _body_forward(self, xs: Sequence[torch.Tensor]) -> Any:
         try:
@@ -251,27 +331,42 @@ class Call:
     def _recompute(self, xs: Sequence[Any], kept: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         assert self.tape is not None
         replayer = Replayer(self.tape, xs, kept)
+        left = self.tape.outputs[self.n_returned :]
+        finder = Made() if left else None
         token = NAMER.set(None)
         try:
-            with replayer, modes.restored(self.modes):
+            with replayer, modes.restored(self.modes), finder or untracked():
                 out = self.body(xs)
             flat, treedef = flatten(out)
             outs = [x for x in flat if isinstance(x, torch.Tensor)]
             meta = [(t.shape, t.dtype) for t in outs]
             cause = modes.changed(self.modes)
-            if treedef != self.out_treedef or meta != self.out_meta:
+            forward_meta = self.out_meta[: self.n_returned]
+            if treedef != self.out_treedef or meta != forward_meta:
                 raise ValueError(
                     f"ps.checkpoint: the recompute of {self.name} returned {_shapes(meta)} "
-                    f"(structure {treedef}) but its forward returned {_shapes(self.out_meta)} "
+                    f"(structure {treedef}) but its forward returned {_shapes(forward_meta)} "
                     f"(structure {self.out_treedef}){_because(cause)}; a checkpointed function "
                     f"must compute the same thing each time it is called with the same arguments"
                 )
+            if finder is not None:
+                outs += self._left_again(replayer, finder, left)
             vmapped = any(kind == "vmap" for kind, _ in compat.transforms())
             replayer.finish(outs, vmapped=vmapped, cause=cause)
         finally:
             replayer.close()
+            if finder is not None:
+                finder.close()
             NAMER.reset(token)
         return outs
+
+    def _left_again(self, replayer: Replayer, finder: Made, sources: Sequence[Any]) -> list[Any]:
+        """The recompute's values of the tensors that left the forward by another route (the
+        objects that carry their derivatives here; ``None`` for one it did not compute, which
+        :meth:`Replayer.finish` names)."""
+        index = finder.index()
+        inner = [replayer.tensor_of(src) for src in sources]
+        return [None if t is None else index.get(id(t)) for t in inner]
 
     def _run(
         self,
@@ -321,20 +416,20 @@ class Call:
     ) -> tuple[list[torch.Tensor | None], bool]:
         """The input gradients, and whether the ``grad`` level running this backward was
         taken off the stack for the recompute (it runs this backward once)."""
-        level = _running_level("grad", saved[: self.n_inputs])
+        level = running_level("grad", saved[: self.n_inputs])
         inputs, kept = self._saved(saved, needs)
         gs: list[Any] = [None if g is None else compat.unwrap_dead_tensor(g) for g in grads]
 
         def compute(strip: Callable[[Any], Any] | None) -> list[torch.Tensor | None]:
-            if strip is None and not torch.is_grad_enabled() and not _differentiating():
-                strip = _detach  # a plain .backward(): nothing outside needs this graph
+            if strip is None and not torch.is_grad_enabled() and not differentiating():
+                strip = detached  # a plain .backward(): nothing outside needs this graph
             if strip is None:
                 return self._vjp(inputs, kept, gs, needs)
             return self._vjp(
                 [strip(t) for t in inputs], [strip(t) for t in kept], [strip(g) for g in gs], needs
             )
 
-        return _stripped(level, compute), level is not None
+        return stripped(level, compute), level is not None
 
     def _vjp(
         self, inputs: list[Any], kept: list[Any], grads: list[Any], needs: Sequence[bool]
@@ -365,7 +460,7 @@ class Call:
                     primals,
                     [c for _, c in pairs],
                     retain_graph=False,
-                    create_graph=_differentiated([*inputs, *grads]),
+                    create_graph=differentiated([*inputs, *grads]),
                     allow_unused=True,
                 )
             for i, p, g in zip(diff, primals, pulled, strict=True):
@@ -384,7 +479,7 @@ class Call:
         self, saved: Sequence[torch.Tensor | None], tangents: Sequence[torch.Tensor | None]
     ) -> tuple[torch.Tensor | None, ...]:
         needs = [t is not None for t in tangents]
-        level = _running_level("jvp", saved[: self.n_inputs])
+        level = running_level("jvp", saved[: self.n_inputs])
         inputs, kept = self._saved(saved, needs)
         ts: list[Any] = [None if t is None else compat.unwrap_dead_tensor(t) for t in tangents]
 
@@ -395,7 +490,7 @@ class Call:
                 [strip(t) for t in inputs], [strip(t) for t in kept], [strip(t) for t in ts]
             )
 
-        return tuple(_stripped(level, compute))
+        return tuple(stripped(level, compute))
 
     def _jvp(
         self, inputs: list[Any], kept: list[Any], tangents: list[Any]
@@ -438,104 +533,6 @@ def _because(cause: str | None) -> str:
     return "" if cause is None else f": the {cause}"
 
 
-def _detach(t: Any) -> Any:
-    return None if t is None else t.detach()
-
-
-def _differentiating() -> bool:
-    return any(kind in ("grad", "jvp") for kind, _ in compat.transforms())
-
-
-def _differentiated(tensors: Sequence[Any]) -> bool:
-    """Whether what is computed from ``tensors`` here will be differentiated: a ``grad`` or
-    ``jvp`` transform still running, forward-mode AD, or autograd tracking one of them."""
-    if not torch.is_grad_enabled() and not compat.forward_ad_active():
-        return _differentiating()
-    if _differentiating() or compat.forward_ad_active():
-        return True
-    return any(t is not None and t.requires_grad for t in tensors)
-
-
-def _running_level(kind: str, tensors: Sequence[Any]) -> int | None:
-    """The level of the ``kind`` transform running this backward (or jvp) when it is the
-    innermost one: the inputs saved at that level are its live wrappers. ``None`` otherwise
-    (no transform, a ``vjp`` whose ``vjp_fn`` runs after it returned, a ``vmap`` on top). The
-    cotangents cannot tell: a ``vjp_fn`` called by an outer ``grad`` hands over that ``grad``'s
-    values, and taking that level off would cut the outer derivative."""
-    top = compat.top_transform()
-    if top is None or top[0] != kind:
-        return None
-    for t in tensors:
-        if t is not None and compat.live_wrapper(t) and compat.level_of(t) == top[1]:
-            return top[1]
-    return None
-
-
-def _stripped(
-    level: int | None,
-    compute: Callable[[Callable[[Any], Any] | None], list[torch.Tensor | None]],
-) -> list[torch.Tensor | None]:
-    """``compute(unwrap)`` with the transform ``level`` (the innermost) taken off the stack
-    (:mod:`pshard._compat` explains why), its results wrapped back at that level with no
-    history there; ``compute(None)`` as is when ``level`` is ``None``."""
-    if level is None:
-        return compute(None)
-
-    def unwrap(t: Any) -> Any:
-        return None if t is None else compat.unwrap_level(t, level)
-
-    with compat.lowered():
-        results = compute(unwrap)
-    return [None if r is None else compat.wrap_level(r, level) for r in results]
-
-
-class _Held:
-    """What a ``torch.func`` level's node keeps for its backward, held here rather than by
-    autograd: ``torch.func.grad`` retains its whole graph until it returns (it differentiates
-    with ``create_graph=True``), so what autograd saved would stay alive through the backward;
-    held here, each checkpoint lets go of its inputs once its backward has run, as
-    ``.backward()`` does. In-place changes after the forward are checked by version.
-
-    It also holds the outputs the forward returned (plain tensors under the transform's
-    wrappers, so no reference cycle through the graph): the next checkpoint lets go of them as
-    its inputs, and this one's recompute takes them instead of computing them again
-    (:attr:`pshard._remat.tape.Tape.returned`), then lets go of them too."""
-
-    def __init__(
-        self, tensors: Sequence[torch.Tensor | None], returned: Sequence[torch.Tensor]
-    ) -> None:
-        self.tensors: list[torch.Tensor | None] | None = list(tensors)
-        self.versions = [None if t is None else _version(t) for t in tensors]
-        self.returned = list(returned)
-
-    def get(self, name: str) -> list[torch.Tensor | None]:
-        if self.tensors is None:
-            raise RuntimeError(
-                f"ps.checkpoint: the backward of {name} ran a second time under the torch.func "
-                f"transform that ran it once already; its inputs were released after the first"
-            )
-        for i, (t, v) in enumerate(zip(self.tensors, self.versions, strict=True)):
-            if t is not None and v is not None and _version(t) != v:
-                raise ValueError(
-                    f"ps.checkpoint: argument {i} of {name} (shape {tuple(t.shape)}) was "
-                    f"modified in place after the forward; the recompute needs it as the "
-                    f"forward saw it: modify a copy instead"
-                )
-        return self.tensors
-
-    def release(self) -> None:
-        self.tensors, self.returned = None, []
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """The version of the tensor under every functorch wrapper (what an in-place change of
-    the caller's tensor bumps)."""
-    try:
-        return int(compat.innermost(t)._version)
-    except (RuntimeError, AttributeError):
-        return None
-
-
 class _Checkpoint(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -551,7 +548,8 @@ class _Checkpoint(torch.autograd.Function):
         ctx.call = call
         top = compat.top_transform()
         if top is not None and top[0] != "vmap" and "vmap" not in dict(compat.transforms()):
-            ctx.held = _Held(saved, call.returned)  # a grad or jvp level: see _Held
+            ctx.held = Held(saved, call.returned)  # a grad or jvp level: see Held
+            call.helds.append(ctx.held)
         else:  # plain autograd frees what it saved after the backward; vmap must see it
             ctx.held = None
             ctx.save_for_backward(*saved)
@@ -560,7 +558,7 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: Call = ctx.call
-        held: _Held | None = ctx.held
+        held: Held | None = ctx.held
         saved = ctx.saved_tensors if held is None else held.get(call.name)
         result, stripped = call.backward(saved, grads, ctx.needs_input_grad[1:])
         if held is not None and stripped:  # the level's one backward: let the inputs go
@@ -570,5 +568,5 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, _call_tangent: Any, *tangents: torch.Tensor) -> tuple[Any, ...]:
         call: Call = ctx.call
-        held: _Held | None = ctx.held
+        held: Held | None = ctx.held
         return call.jvp(ctx.saved_tensors if held is None else held.get(call.name), tangents)

@@ -54,6 +54,7 @@ class Recorder(compat.TorchDispatchMode):
         self._writer: dict[int, int] = {}  # storage -> entry that last wrote it
         self._outside: dict[int, int] = {}  # id -> index in tape.outside (held there)
         self._random = 0
+        self._derived: set[int] = set()  # entries that read an input or a derived entry's output
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -106,6 +107,8 @@ class Recorder(compat.TorchDispatchMode):
                 self._sources.bind(t, src)
                 if src[0] == "x":  # type: ignore[index]
                     tape.externals.append(t)
+        if any(self._reads_input(src) for src in srcs):
+            self._derived.add(j)
         bind_outputs(self._sources, j, kind, out, fresh, writes)
         if kind == "view":
             return out
@@ -122,6 +125,27 @@ class Recorder(compat.TorchDispatchMode):
         if kind in KEEPABLE and tensors and self._ask(func, *args, **kwargs):
             entry.saved, entry.held = True, outs
         return out
+
+    def _reads_input(self, src: Any) -> bool:
+        if not isinstance(src, tuple):
+            return False
+        if src[0] == "in":
+            return True
+        return src[0] in ("o", "rand") and src[1] in self._derived
+
+    def derived_source(self, t: torch.Tensor) -> Any:
+        """The source of ``t`` when an operation of this forward computed it from the inputs
+        (its derivative may be asked for), else ``None``."""
+        src = self._sources.get(compat.innermost(t))
+        if isinstance(src, tuple) and src[0] in ("o", "rand") and src[1] in self._derived:
+            return src
+        return None
+
+    def holding(self) -> list[int]:
+        """The ``id`` of each reference this recorder holds to a tensor until :meth:`finish`
+        (what a saved entry keeps)."""
+        held = [id(t) for e in self.tape.entries if e.held is not None for t in e.held]
+        return held + [id(e.named) for e in self.tape.entries if e.named is not None]
 
     def knows(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is an input of this forward or an output of one of its operations."""
@@ -194,14 +218,16 @@ class Recorder(compat.TorchDispatchMode):
                     entry.named = compat.innermost(x)
 
     def finish(self, outputs: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]) -> None:
-        """End of the forward: note where the ``outputs`` came from (and what the checkpoint
-        ``returned`` for them), keep what is saved (on the CPU when the policy offloads) and
+        """End of the forward: note where the ``outputs`` came from (the values the function
+        returned, then those that left it otherwise; what the checkpoint ``returned`` for the
+        first), keep what is saved (on the CPU when the policy offloads) and
         let go of everything else."""
         tape = self.tape
         tape.outputs = [self._sources.get(compat.innermost(t)) for t in outputs]
         tape.outside_versions = [version_of(t) for t in tape.outside]
         self._outside.clear()
-        for src, r in zip(tape.outputs, returned, strict=True):
+        self._derived.clear()
+        for src, r in zip(tape.outputs, returned, strict=False):  # (not what left otherwise)
             if isinstance(src, tuple) and src[0] == "o" and isinstance(src[2], int):
                 entry = tape.entries[src[1]]
                 if entry.kind == "compute" and not entry.vetoed and not tape.vmapped:

@@ -196,6 +196,10 @@ class Replayer(compat.TorchDispatchMode):
         bind_outputs(self._sources, j, kind, out, fresh, writes)
         return out
 
+    def tensor_of(self, source: Hashable) -> torch.Tensor | None:
+        """The recompute's tensor for the forward's ``source`` (``None`` if it made none)."""
+        return self._sources.find(source)
+
     def _outside_changed(self, entry: Entry, j: int, tensors: list[torch.Tensor]) -> str | None:
         """Why an integer or boolean tensor from outside that entry ``j`` read differs from the
         forward's (``None`` if none does). One the recompute computed itself may stand for one
@@ -283,7 +287,7 @@ class Replayer(compat.TorchDispatchMode):
         return rebuild(entry.spec, leaves), fresh
 
     def finish(
-        self, outputs: Sequence[torch.Tensor], *, vmapped: bool, cause: str | None = None
+        self, outputs: Sequence[torch.Tensor | None], *, vmapped: bool, cause: str | None = None
     ) -> None:
         """Check that the recompute ran the forward's program (see the module docs); ``cause``:
         a global mode that changed since the forward (:func:`pshard._remat.modes.changed`),
@@ -327,6 +331,15 @@ class Replayer(compat.TorchDispatchMode):
                 f"{advice}"
             )
         for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
+            if t is None:  # a tensor that left the forward by another route
+                shape, dtype = tape.left_meta[i - len(tape.outputs)]
+                raise ValueError(
+                    f"ps.checkpoint: the recompute of {tape.name} took another path than its "
+                    f"forward: a tensor its forward let out by another route than its return "
+                    f"value ({tuple(shape)}, {dtype}: appended to a list, written to a dict or "
+                    f"an attribute, or recorded by a forward hook) was not computed again"
+                    f"{instead}{carried}.{mode} {advice}"
+                )
             if src is not None and self._sources.get(compat.innermost(t)) != src:
                 raise ValueError(
                     f"ps.checkpoint: the recompute of {tape.name} took another path than its "

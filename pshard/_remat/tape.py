@@ -160,6 +160,8 @@ class Tape:
     ``returned``: for the entries that computed the checkpoint's outputs, those outputs as the
     checkpoint returned them (held weakly, with their version): while they live unchanged, the
     recompute takes them instead of computing them again.
+    ``outputs``: the sources of the function's outputs, then of the tensors that left it by
+    another route (:mod:`pshard._remat.escapes`), whose shapes and dtypes are ``left_meta``.
     ``written_inputs``: the values of inputs the forward wrote in place, from before it did.
     ``outside``/``outside_versions``: the integer and boolean tensors from outside the function
     that the forward read (index tables, masks) and their versions at its end: they are matched
@@ -178,6 +180,7 @@ class Tape:
     entries: list[Entry] = dataclasses.field(default_factory=list)
     index: dict[Hashable, list[int]] = dataclasses.field(default_factory=dict)
     outputs: list[Hashable | None] = dataclasses.field(default_factory=list)
+    left_meta: list[tuple[torch.Size, torch.dtype]] = dataclasses.field(default_factory=list)
     rng: RngStates | None = None
     externals: list[torch.Tensor] = dataclasses.field(default_factory=list)
     written_inputs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -211,6 +214,14 @@ class Sources:
     def get(self, t: torch.Tensor) -> Hashable | None:
         hit = self._src.get(id(t))
         return hit[1] if hit is not None and hit[0]() is t else None
+
+    def find(self, source: Hashable) -> torch.Tensor | None:
+        """The live tensor bound to ``source`` last (``None`` if there is none)."""
+        found = None
+        for ref, src in self._src.values():
+            if src == source and (t := ref()) is not None:
+                found = t
+        return found
 
 
 def outside_source(t: torch.Tensor) -> Hashable:
