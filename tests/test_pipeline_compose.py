@@ -239,7 +239,10 @@ def rank_tensor_parallel(schedule):
     want = {k: v.grad for k, v in leaves[ps.axis_index("pp")].items()}
     assert all(isinstance(g, ps.GlobalTensor) and g.spec == params[k].spec
                for k, g in grads.items())  # fmt: skip
-    return abs(loss.item() - ref.item()), _diff(ps.gather(grads), want)
+    # the global norm of the stage's blocks is the whole model's (every stage, every block)
+    whole = sum(float((v.grad**2).sum()) for p in leaves for v in p.values()) ** 0.5
+    norm_diff = abs(ps.optim.global_norm(grads).item() - whole)
+    return abs(loss.item() - ref.item()), max(_diff(ps.gather(grads), want), norm_diff)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])

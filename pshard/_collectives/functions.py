@@ -28,6 +28,7 @@ from .._compat import transforms_active
 from .._core.checks import check_int, normalize_dim
 from .._core.global_tensor import is_global
 from .._core.tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
+from .._runtime import stage_parts
 from .._runtime.debug import check_pytree
 from .._runtime.mesh import Axis, resolve_axis
 from .._runtime.wire import Comm as _Comm
@@ -111,6 +112,13 @@ def _map_leaves(
     return tree_unflatten(treedef, out)
 
 
+def _marked(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result``, with ``source``'s mark of a pipeline stage's gradient (a sum of a stage's
+    gradients over a data axis is still that stage's part)."""
+    stage_parts.carry((source,), (result,))
+    return result
+
+
 def _divisible(
     fn: str, arg: str, d: int, x: torch.Tensor, path: Callable[[], str], size: int, name: str
 ) -> None:
@@ -142,7 +150,7 @@ def psum(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "psum")
     return _map_leaves(
-        "psum", c, x, lambda t, _: t if c.group is None else _collective("psum", t, c)
+        "psum", c, x, lambda t, _: t if c.group is None else _marked(t, _collective("psum", t, c))
     )
 
 
@@ -161,7 +169,7 @@ def pmean(x: T, axis: Axis) -> T:
 
     def one(t: torch.Tensor, _: Any) -> torch.Tensor:
         if c.group is not None:
-            return _collective("psum", t, c) / c.size
+            return _marked(t, _collective("psum", t, c) / c.size)
         # one rank: the identity, but integer inputs still give a float mean
         return t if t.is_floating_point() or t.is_complex() else t / 1
 

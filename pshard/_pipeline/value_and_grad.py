@@ -13,14 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
+import torch.distributed as dist
 
 from .._core.checks import WIRE_DTYPES, check_int
-from .._core.tree import describe
-from .._runtime.mesh import Axis
+from .._core.tree import NAMESPACE, describe
+from .._runtime import stage_parts
+from .._runtime.mesh import Axis, current_mesh
 from .executor import loss_code
 from .schedule import SCHEDULES
-from .setup import check_stages, prepare
+from .setup import Prepared, check_stages, prepare
 
 __all__ = ["pipeline_value_and_grad"]
 
@@ -164,6 +167,17 @@ def pipeline_value_and_grad(
         loss = torch.tensor(loss_sum, dtype=torch.float64, device=prep.link.device).to(dtype)
         trees = ex.gradient_trees()
         grads = [trees[s] for s in prep.stages]
+        _mark_stage_parts(grads, prep, axis)
         return loss, (tuple(grads) if schedule == "interleaved_1f1b" else grads[0])
 
     return fn
+
+
+def _mark_stage_parts(grads: list[Any], prep: Prepared, axis: Axis) -> None:
+    """Mark the gradients as this rank's stages' part of the model's, so that a global norm
+    of them sums the squares over the pipeline axis (:mod:`pshard._runtime.stage_parts`)."""
+    if prep.link.group is None:
+        return  # one stage: the gradients are the whole model's
+    mesh = None if isinstance(axis, dist.ProcessGroup) else current_mesh()
+    part = stage_parts.StagePart(prep.link.group, prep.axis_name, mesh)
+    stage_parts.mark(optree.tree_leaves(grads, namespace=NAMESPACE), part)

@@ -24,6 +24,7 @@ from optree import PyTreeSpec
 from .._core.global_tensor import GlobalMeta, is_global
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import NAMESPACE, describe, keystr, tree_flatten, tree_flatten_with_path
+from .._runtime import stage_parts
 
 __all__ = [
     "Flat",
@@ -74,6 +75,7 @@ class Flat:
         written in place)."""
         if all(a is b for a, b in zip(blocks, self.blocks, strict=True)):
             return self.tree
+        stage_parts.carry(self.blocks, blocks)  # a pipeline stage's part stays one
         return self.treedef.unflatten(blocks)
 
 

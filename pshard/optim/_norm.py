@@ -23,6 +23,7 @@ from .._collectives.functions import psum
 from .._core.global_tensor import GlobalMeta, MeshKey, mesh_key
 from .._core.placements import P, Partial, Replicate, Shard, StridedShard
 from .._core.tree import describe
+from .._runtime import stage_parts
 from .._runtime.mesh import mesh_for, resolve_axis
 from . import _kernels as kernels
 from ._base import EmptyState, GradientTransformation, check_number
@@ -110,8 +111,11 @@ def norm_of(flat: Flat, specs: Any, fn: str) -> torch.Tensor:
     device = flat.blocks[0].device
     dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
     total = torch.zeros((), dtype=dtype, device=device)
+    stages = [_other_stages(b, mesh, axes) for b, (mesh, axes) in zip(flat.blocks, placed,
+                                                                        strict=True)]  # fmt: skip
     keys: list[Hashable] = [
-        (None if mesh is None else mesh_key(mesh), axes) for mesh, axes in placed
+        (None if mesh is None else mesh_key(mesh), axes, None if st is None else id(st))
+        for (mesh, axes), st in zip(placed, stages, strict=True)
     ]
     for idx in groups(keys):
         part = torch.stack([squares[i].to(device=device, dtype=dtype) for i in idx]).sum()
@@ -119,8 +123,24 @@ def norm_of(flat: Flat, specs: Any, fn: str) -> torch.Tensor:
         group = resolve_axis(axes, mesh=mesh, fn=fn).group if axes else None
         if group is not None:
             part = psum(part, group)
+        stage = stages[idx[0]]
+        if stage is not None:  # one pipeline stage's part: add the other stages' squares
+            part = psum(part, stage)
         total = total + part
     return total.sqrt()
+
+
+def _other_stages(block: torch.Tensor, mesh: Any, axes: tuple[str, ...]) -> Any:
+    """The process group of the pipeline axis over which ``block``, a gradient that
+    ``pipeline_value_and_grad`` returned as one stage's part, is summed with the other stages'
+    (``None`` for other blocks, with one stage, or where ``axes`` already sum over it: blocks
+    of parameters stacked along the pipeline axis inside a map over it)."""
+    part = stage_parts.part_of(block)
+    if part is None or part.group is None:
+        return None
+    if mesh is not None and part.mesh is mesh and part.axis in axes:
+        return None
+    return part.group
 
 
 def global_norm(tree: Any, *, specs: Any = None) -> torch.Tensor:
