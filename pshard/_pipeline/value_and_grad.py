@@ -180,4 +180,4 @@ def _mark_stage_parts(grads: list[Any], prep: Prepared, axis: Axis) -> None:
         return  # one stage: the gradients are the whole model's
     mesh = None if isinstance(axis, dist.ProcessGroup) else current_mesh()
     part = stage_parts.StagePart(prep.link.group, prep.axis_name, mesh)
-    stage_parts.mark(optree.tree_leaves(grads, namespace=NAMESPACE), part)
+    stage_parts.mark(optree.tree_leaves(tuple(grads), namespace=NAMESPACE), part)  # type: ignore[arg-type]
