@@ -499,3 +499,66 @@ def test_the_callers_excepthook_is_its_own_after_a_run():
     hook = sys.excepthook
     ps.spawn(dist.get_rank, nprocs=4, backend="threads")
     assert sys.excepthook is hook
+
+
+# ------------------------------------------------------------------ what is not a rank's code
+
+
+def _sleep_in_c() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(3)  # stuck in C: Python cannot stop it here
+
+
+def test_a_rank_stuck_in_c_code_is_a_timeout_naming_its_line():
+    """The run ends within timeout + 2 s with a TimeoutError naming the rank and where it is
+    stuck; the thread is a daemon (it never holds the interpreter's exit)."""
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        ps.spawn(_sleep_in_c, nprocs=2, backend="threads", timeout=0.5)
+    assert time.monotonic() - t0 < 0.5 + 2
+    text = str(info.value)
+    assert "rank 1 of 2 is stuck in _sleep_in_c" in text, text
+    assert "test_threads.py" in text and "time.sleep(3)" in text, text
+    left = [t for t in threading.enumerate() if t.name.startswith("pshard-rank")]
+    assert left and all(t.daemon for t in left)
+    for t in left:
+        t.join(10)
+
+
+def _generator():
+    yield ps.axis_index("x")
+
+
+async def _coroutine() -> int:
+    return 1
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+@pytest.mark.parametrize("fn", [_generator, _coroutine])
+def test_a_generator_or_coroutine_function_is_refused_before_any_rank_starts(fn, backend):
+    t0 = time.monotonic()
+    kind = "a generator function" if fn is _generator else "a coroutine function"
+    with pytest.raises(TypeError, match=re.escape(f"spawn: fn ({fn.__name__}) is {kind}")):
+        ps.spawn(fn, nprocs=2, backend=backend)
+    assert time.monotonic() - t0 < 1  # nothing started
+
+
+def _collective_in_a_plain_thread() -> None:
+    ps.init_mesh({"x": 2})
+    box: dict[str, BaseException] = {}
+
+    def work() -> None:
+        try:
+            ps.psum(torch.ones(1), "x")
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    raise box["error"]
+
+
+def test_a_thread_a_rank_starts_is_not_a_rank():
+    with pytest.raises(RuntimeError, match=re.escape("psum: this thread is not a rank")):
+        ps.spawn(_collective_in_a_plain_thread, nprocs=2, backend="threads")

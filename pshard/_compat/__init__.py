@@ -188,6 +188,9 @@ from .threads import (
     register_backend as register_backend,
 )
 from .threads import (
+    route_reparametrization as route_reparametrization,
+)
+from .threads import (
     set_ad_state as set_ad_state,
 )
 from .threads import (
@@ -235,6 +238,7 @@ __all__ = [
     "outside_transforms",
     "queue_backward_callback",
     "register_backend",
+    "route_reparametrization",
     "register_torch_pytree",
     "reparametrized",
     "resolve_group",

@@ -16,6 +16,7 @@ __all__ = [
     "install_world_switch",
     "new_c10d_world",
     "register_backend",
+    "route_reparametrization",
     "set_ad_state",
     "share_dual_level",
     "thread_isolation",
@@ -103,6 +104,36 @@ def install_world_switch(current: Callable[[], Any]) -> None:
 
     if not isinstance(c10d._world, _Switch):
         c10d._world = _Switch(c10d._world, current)  # type: ignore[assignment]
+
+
+def route_reparametrization(
+    hold: Callable[
+        [Callable[[], contextlib.AbstractContextManager[Any]], torch.nn.Module, Sequence[str]],
+        contextlib.AbstractContextManager[Any],
+    ],
+) -> None:
+    """Route ``functional_call``'s reparametrization of a module
+    (``torch.nn.utils.stateless._reparametrize_module``) through ``hold(enter, module, names)``
+    from now on, ``enter()`` being torch's own; idempotent, for the life of the process (with no
+    rank running, ``hold`` enters torch's own and nothing else)."""
+    from torch.nn.utils import stateless
+
+    own = stateless._reparametrize_module
+    if getattr(own, "_pshard_routed", False):
+        return
+
+    @contextlib.contextmanager
+    def routed(
+        module: torch.nn.Module, parameters_and_buffers: dict[str, torch.Tensor], *a: Any, **k: Any
+    ) -> Iterator[None]:
+        def enter() -> contextlib.AbstractContextManager[Any]:
+            return own(module, parameters_and_buffers, *a, **k)
+
+        with hold(enter, module, list(parameters_and_buffers)):
+            yield
+
+    routed._pshard_routed = True  # type: ignore[attr-defined]
+    stateless._reparametrize_module = routed
 
 
 def thread_isolation(enabled: bool) -> None:

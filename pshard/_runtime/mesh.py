@@ -14,6 +14,7 @@ import contextvars
 import itertools
 import math
 import os
+import threading
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .._compat import THREADS_BACKEND, flattened_group
 from .._core.checks import axis_names
+from .turns import RANK_THREAD, current_task
 
 __all__ = [
     "Axis",
@@ -219,11 +221,25 @@ def mesh_for(fn: str) -> DeviceMesh:
     """:func:`current_mesh` for the function ``fn``, which the error names when there is none."""
     scope = _CURRENT_MESH.get()
     if scope is None:
+        if _ranks_running_elsewhere():
+            raise RuntimeError(
+                f"{fn}: this thread is not a rank: in-process ranks (ps.spawn(..., "
+                f"backend='threads')) are running, each on a thread of its own, and a thread "
+                f"that one of them starts is not one of them (it has no mesh and no process "
+                f"group); communicate from the rank's own thread"
+            )
         raise RuntimeError(
             f"{fn}: no current mesh; create one with ps.init_mesh({{...}}) or enter "
             f"ps.use_mesh(mesh)"
         )
     return scope.mesh
+
+
+def _ranks_running_elsewhere() -> bool:
+    """Whether in-process ranks run in this process while this thread is none of them."""
+    if current_task() is not None:
+        return False
+    return any(t.name.startswith(RANK_THREAD) and t.is_alive() for t in threading.enumerate())
 
 
 class AxisInfo(NamedTuple):

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
 import pickle
 import sys
 import time
@@ -23,6 +25,27 @@ from .messages import RemoteTraceback, SpawnError, Task
 from .threads import run_threads
 
 __all__ = ["RemoteTraceback", "SpawnError", "check_fn", "pickle_task", "spawn"]
+
+
+def check_not_generator(fn: object, caller: str) -> None:
+    """Refuse a generator function or a coroutine function (a ``functools.partial`` of one
+    too): a rank would return the generator or coroutine, never run."""
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    kinds = (
+        (inspect.isgeneratorfunction, "a generator function", "return a list instead of yielding"),
+        (inspect.isasyncgenfunction, "an async generator function", "return a list"),
+        (inspect.iscoroutinefunction, "a coroutine function", "call asyncio.run(...) inside fn"),
+    )
+    for test, kind, fix in kinds:
+        if test(inner):
+            name = getattr(inner, "__qualname__", repr(inner))
+            raise TypeError(
+                f"{caller}: fn ({name}) is {kind}: each rank would return a "
+                f"{'coroutine' if 'coroutine' in kind else 'generator'} that never ran; make fn "
+                f"a plain function ({fix})"
+            )
 
 
 def check_fn(fn: object, caller: str) -> None:
@@ -198,9 +221,10 @@ def spawn(
         raise ValueError(f"spawn: timeout must be a number of seconds > 0, got {timeout!r}")
     if backend not in ("gloo", "nccl", "threads"):
         raise ValueError(f"spawn: backend must be 'gloo', 'nccl' or 'threads', got {backend!r}")
+    if not callable(fn):
+        raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
+    check_not_generator(fn, "spawn")
     if backend == "threads":
-        if not callable(fn):
-            raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
         return run_threads(fn, args, {}, nprocs, timeout, "spawn")
     if backend == "nccl" and torch.cuda.device_count() < nprocs:
         raise ValueError(

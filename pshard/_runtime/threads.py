@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import linecache
 import sys
 import threading
 import time
@@ -33,18 +34,23 @@ from .._compat import (
     install_world_switch,
     new_c10d_world,
     register_backend,
+    route_reparametrization,
     set_ad_state,
     share_dual_level,
     thread_isolation,
 )
 from .messages import SpawnError, check_result, ranks_text
+from .rank_local import hold_reparametrization
 from .rendezvous import Shared, ThreadStore
 from .transport import ThreadGroup
-from .turns import Rank, Stuck, Turns, current_task
+from .turns import RANK_THREAD, Rank, Stuck, Task, Turns, current_task
 
 __all__ = ["current_rank", "exchange_store", "run_threads"]
 
-# Seconds the ranks get to end after the caller gave up (its timeout), before it reports them.
+# Seconds the ranks get to end after the caller gave up (its timeout), before it reports them
+# (a rank in Python stops at its next instruction; one in C code cannot be stopped), and the
+# bound on the wait for threads once the run is over.
+_STOP_WAIT_S = 1.0
 _END_WAIT_S = 5.0
 
 
@@ -121,6 +127,7 @@ def run_threads(
             good, ``sys.exit`` in a rank), or ``TimeoutError`` after ``timeout`` seconds.
     """
     install_world_switch(_rank_world)
+    route_reparametrization(hold_reparametrization)
     share_dual_level(lambda: current_task() is not None)
     register_backend(THREADS_BACKEND, _create)
     ranks = [Rank(r, nprocs) for r in range(nprocs)]
@@ -164,7 +171,7 @@ def run_threads(
     hook = sys.excepthook  # each rank's init_process_group wraps it with a "[rankN]:" prefix
     threads = [
         threading.Thread(
-            target=contextvars.Context().run, args=(body, r), name=f"pshard-rank{r}", daemon=True
+            target=contextvars.Context().run, args=(body, r), name=f"{RANK_THREAD}{r}", daemon=True
         )
         for r in range(nprocs)
     ]
@@ -175,29 +182,39 @@ def run_threads(
             turns.current = tasks[0]
             for thread in threads:
                 thread.start()
+            end = deadline + _END_WAIT_S  # the last moment to wait for the threads
             if not turns.wait_all(timeout):
                 running = [t.rank.index for t in turns.tasks if t.state != "done"]
                 late = TimeoutError(
                     f"{caller}: {ranks_text(sorted(set(running)))} of {nprocs} still running "
                     f"after the timeout of {timeout:g} s; they were stopped"
                 )
+                stuck = turns.current  # the task that holds the turn (maybe where Python
+                where = _where(stuck)  # cannot stop it: a sleep, a blocking read)
                 turns.give_up(late)
-                turns.wait_all(_END_WAIT_S)
+                end = time.monotonic() + _STOP_WAIT_S
+                if not turns.wait_all(_STOP_WAIT_S) and stuck is not None:
+                    late = TimeoutError(
+                        f"{caller}: rank {stuck.rank.index} of {nprocs} is stuck{where} after "
+                        f"the timeout of {timeout:g} s, outside Python where it cannot be "
+                        f"stopped (its thread is a daemon and is left to end on its own; it "
+                        f"never holds the interpreter's exit)"
+                    )
             for thread in threads:
-                thread.join(max(0.0, min(_END_WAIT_S, deadline + _END_WAIT_S - time.monotonic())))
+                thread.join(max(0.0, end - time.monotonic()))
     finally:
         torch.set_rng_state(rng)
         torch.set_default_dtype(dtype)
         set_ad_state(ad)
         sys.excepthook = hook
+    if late is not None:
+        raise late
     left = [t.name for t in threads if t.is_alive()]
     if left:
         raise SpawnError(
-            f"{caller}: the threads of {', '.join(left)} are still running {_END_WAIT_S:g} s "
-            f"after the run was given up (stuck outside Python, where they cannot be stopped)"
+            f"{caller}: the threads of {', '.join(left)} are still running after the run ended "
+            f"(stuck outside Python, where they cannot be stopped)"
         )
-    if late is not None:
-        raise late
     if errors:
         raise _failure(errors, nprocs, caller)
     return results
@@ -230,3 +247,17 @@ def _failure(errors: dict[int, BaseException], nprocs: int, caller: str) -> Base
 def _add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):  # Python 3.11 and later
         exc.add_note(note)
+
+
+def _where(task: Task | None) -> str:
+    """`` in fn at file.py:12 (`time.sleep(12)`)``: the innermost frame of ``task``'s thread."""
+    if task is None or task.thread_id is None:
+        return ""
+    frame = sys._current_frames().get(task.thread_id)
+    if frame is None:
+        return ""
+    code = frame.f_code
+    line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return f" in {code.co_name} at {code.co_filename}:{frame.f_lineno}" + (
+        f" ({line})" if line else ""
+    )

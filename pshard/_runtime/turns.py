@@ -5,10 +5,11 @@ process owns is one object per process here: torch's default random generator, t
 dtype. So the ranks take turns: exactly one task (a rank's main thread, or a thread a rank
 started through :func:`start_thread`) runs at a time, and it gives the turn away only while it
 waits (:meth:`Turns.block`: for a collective, a receive, a key of the store). At every hand-over
-between ranks the leaving rank's random state and default dtype are put aside and the entering
-rank's restored, so each rank draws as a fresh process would, and the next task is chosen by a
-fixed rule (the first that can run, in order after the one leaving), so a run is the same from
-one time to the next.
+between ranks the leaving rank's random state, default dtype and writes into objects the ranks
+share (:mod:`pshard._runtime.rank_local`) are put aside and the entering rank's restored, so
+each rank draws as a fresh process would, and the next task is chosen by a fixed rule (the
+first that can run, in order after the one leaving), so a run is the same from one time to the
+next.
 
 A hang is seen exactly: when the task leaving is blocked and no task can run, every blocked
 task is woken with a :class:`Stuck` error naming what each waits for, and what the ranks that
@@ -30,7 +31,19 @@ import torch
 
 from .._compat import ad_state, set_ad_state
 
-__all__ = ["Rank", "Stuck", "Task", "Turns", "current_task", "in_background", "start_thread"]
+__all__ = [
+    "RANK_THREAD",
+    "Rank",
+    "Stuck",
+    "Task",
+    "Turns",
+    "current_task",
+    "in_background",
+    "start_thread",
+]
+
+RANK_THREAD = "pshard-rank"
+"""The name of an in-process rank's thread, followed by its index."""
 
 
 class Stuck(RuntimeError):
@@ -52,6 +65,7 @@ class Rank:
     ended: str = ""  # "returned", "raised <type>", ... once its main task is done
     shared: Any = None  # the transport's state shared by the world's ranks
     c10d: Any = None  # its c10d world (process groups, their names)
+    local: list[Any] = field(default_factory=list)  # its writes into shared objects (rank_local)
 
 
 def _fresh_rng() -> torch.Tensor:
@@ -190,11 +204,15 @@ class Turns:
         task.rank.rng = torch.get_rng_state()
         task.rank.dtype = torch.get_default_dtype()
         task.rank.ad = ad_state()
+        for held in reversed(task.rank.local):  # the objects the ranks share as they were
+            held.aside()
 
     def _arrive(self, task: Task) -> None:
         torch.set_rng_state(task.rank.rng)
         torch.set_default_dtype(task.rank.dtype)
         set_ad_state(task.rank.ad)
+        for held in task.rank.local:
+            held.back()
 
     def _raise_pending(self, task: Task) -> None:
         error, task.error = task.error, None

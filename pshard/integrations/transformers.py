@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._modules.adapter import AttentionHeads, PreparedCall, Reduce, register_adapter
+from .._runtime.rank_local import Slot, hold
 from ..sequence._lm import (
     ATTENTION_MASK,
     IGNORE_INDEX,
@@ -138,13 +139,17 @@ def _register(name: str) -> None:
 
 
 def _set_attention(model: nn.Module, name: str) -> Callable[[], None]:
-    """Set the model's attention implementation to ``name``; returns the undo."""
-    config = _config(model)
-    own = config._attn_implementation
-    config._attn_implementation = name
+    """Set the model's attention implementation to ``name``; returns the undo. The config may
+    be shared by in-process ranks (models built from one config): the setting is this rank's
+    (:mod:`pshard._runtime.rank_local`)."""
+    slot = Slot(_config(model), "_attn_implementation", item=False)
+    own = slot.get()
+    slot.put(name)
+    release = hold([slot], [own])
 
     def undo() -> None:
-        config._attn_implementation = own
+        release()
+        slot.put(own)
 
     return undo
 

@@ -45,6 +45,7 @@ from .._core.tree import describe, tree_flatten_with_path, tree_unflatten
 from .._modules.adapter import ModelAdapter, PreparedCall, find_adapter, registered_adapters
 from .._runtime.debug import debug_enabled
 from .._runtime.mesh import Axis, AxisInfo, mesh_for, resolve_axis, use_mesh
+from .._runtime.rank_local import MISSING, handle_slots, hold
 from .._runtime.wire import Comm, all_reduce, comm
 from .._shard_map.boundary import check_replicated
 from ._context import SeqAttention, SeqContext, record_for_backward, sequence_context
@@ -146,6 +147,7 @@ class SequenceParallel:
         self._handles: list[Any] = []
         self._calls: list[_Call] = []
         self._restore: Callable[[], None] | None = None
+        self._release: Callable[[], None] = lambda: None  # the hooks held for this rank
         self._check_model = False  # debug mode: check the model before the next call
 
     # --- context manager ---------------------------------------------------------------------
@@ -174,9 +176,13 @@ class SequenceParallel:
             self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
             self.model.register_forward_hook(self._post, always_call=True),
         ]
+        # the hooks are this rank's: in-process ranks may share one model
+        slots = handle_slots(self._handles)
+        self._release = hold(slots, [MISSING] * len(slots))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._release()
         for handle in self._handles:
             handle.remove()
         self._handles = []
