@@ -384,3 +384,35 @@ def _speeds() -> None:
 
     ratio = _median_ratio(donating, opt.step, rounds=21, after=refresh)
     assert ratio <= 1.5, ratio
+
+
+def test_integer_leaves_are_named() -> None:
+    """An int64 leaf: the key path and the dtype (it was torch's 'lerp_kernel_scalar not
+    implemented for Long')."""
+    params = {"w": torch.ones(2), "step": torch.tensor(3)}
+    for tx in (ps.optim.adamw(1e-3), ps.optim.adam(1e-3), ps.optim.sgd(0.1, momentum=0.9)):
+        with pytest.raises(TypeError, match=re.escape("params['step'] is an int64 tensor")):
+            tx.init(params)
+    tx = ps.optim.adam(1e-3)
+    state = tx.init({"w": torch.ones(2)})
+    with pytest.raises(TypeError, match=re.escape("grads['w'] is a bool tensor")):
+        tx.update({"w": torch.ones(2, dtype=torch.bool)}, state)
+
+
+def test_donating_updates_to_shared_memory_is_refused() -> None:
+    """Two keys holding one tensor (or overlapping views), updated in place: one would take
+    both updates; the error names both keys."""
+    w = torch.ones(3)
+    with pytest.raises(ValueError, match=re.escape("params['a'] and params['b'] share memory")):
+        ps.optim.apply_updates({"a": w, "b": w}, {"a": torch.ones(3), "b": torch.ones(3)},
+                               donate=True)  # fmt: skip
+    base = torch.zeros(4)
+    with pytest.raises(ValueError, match=re.escape("params['x'] and params['y'] share memory")):
+        ps.optim.apply_updates({"x": base[:3], "y": base[2:]},
+                               {"x": torch.ones(3), "y": torch.ones(2)}, donate=True)  # fmt: skip
+    # views that do not overlap are fine, and so is the pure update of one tensor twice
+    out = ps.optim.apply_updates({"x": base[:2], "y": base[2:]},
+                                 {"x": torch.ones(2), "y": torch.ones(2)}, donate=True)  # fmt: skip
+    assert torch.equal(base, torch.ones(4)) and out["x"] is not None
+    pure = ps.optim.apply_updates({"a": w, "b": w}, {"a": torch.ones(3), "b": torch.ones(3)})
+    assert torch.equal(pure["a"], torch.full((3,), 2.0)) and torch.equal(w, torch.ones(3))

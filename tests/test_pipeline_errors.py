@@ -153,6 +153,7 @@ def rank_bad_counts():
         ([layer] * 6, "interleaved_1f1b", (params[r],)),
         (layer, "interleaved_1f1b", params[r]),
         ([layer] * 8, "interleaved_1f1b", params[r]),
+        ([layer] * 8, "interleaved_1f1b", [params[r], params[r]]),  # a list, not a tuple
     ]:
         step = ps.pipeline_value_and_grad(stages, sq_loss, num_microbatches=2, schedule=schedule)
         out.append(_outcome(lambda s=step, p=p: s(p, x, t)))
@@ -166,7 +167,7 @@ def test_bad_stage_counts_are_errors_on_every_rank(pool):
         assert exact
         assert [o[:2] for o in outcomes] == [o[:2] for o in got[0][0]]  # the same everywhere
         kinds = [kind for kind, _, _ in outcomes]
-        assert kinds == ["ValueError"] * 6
+        assert kinds == ["ValueError"] * 7
         assert all(seconds < 30 for _, _, seconds in outcomes)
     texts = [text for _, text, _ in got[0][0]]
     assert texts[0] == (
@@ -178,7 +179,12 @@ def test_bad_stage_counts_are_errors_on_every_rank(pool):
     assert "not one shared function" in texts[3]
     assert texts[4].startswith(f"{FN}: with 2 stages per rank (schedule='interleaved_1f1b') "
                                "params must be a tuple of 2 trees")  # fmt: skip
-    assert texts[5].startswith("pipeline: stages has 2 functions but axis 'pp' has 4 ranks")
+    assert texts[5] == (
+        f"{FN}: with 2 stages per rank (schedule='interleaved_1f1b') params must be a tuple of 2 "
+        f"trees, this rank's stages' parameters in order; got a list of 2, which is one tree (a "
+        f"stage's list of layers, say): pass tuple(params) if each item is a stage's tree"
+    )
+    assert texts[6].startswith("pipeline: stages has 2 functions but axis 'pp' has 4 ranks")
 
 
 def rank_changing_stage(case):

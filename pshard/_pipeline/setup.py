@@ -110,7 +110,14 @@ def _stage_fns(stages: Any, n: int, schedule: str, axis: str, fn_name: str) -> t
 def _rank_params(params: Any, v: int, interleaved: bool, fn_name: str) -> list[Any]:
     if not interleaved:
         return [params]
-    if not isinstance(params, (tuple, list)) or len(params) != v:
+    if isinstance(params, list):
+        raise ValueError(
+            f"{fn_name}: with {v} stages per rank (schedule='interleaved_1f1b') params must be "
+            f"a tuple of {v} trees, this rank's stages' parameters in order; got a list of "
+            f"{len(params)}, which is one tree (a stage's list of layers, say): pass "
+            f"tuple(params) if each item is a stage's tree"
+        )
+    if not isinstance(params, tuple) or len(params) != v:
         raise ValueError(
             f"{fn_name}: with {v} stages per rank (schedule='interleaved_1f1b') params must be "
             f"a tuple of {v} trees, this rank's stages' parameters in order; got "

@@ -114,6 +114,7 @@ def _scale_by_adam(
 
     def init(params: Any) -> ScaleByAdamState:
         p = flatten(params, fn, "params")
+        p.check_floating(fn)
         if weight_decay:
             _flags(mask, params, p, fn)  # a mask that does not fit fails here already
         mu = p.rebuild([torch.zeros_like(b) for b in p.blocks])
@@ -128,6 +129,7 @@ def _scale_by_adam(
         m = flatten(state.mu, fn, "state.mu")
         v = flatten(state.nu, fn, "state.nu")
         g = flatten(updates, fn, "grads")
+        g.check_floating(fn)
         check_like(g, m, fn, fix)
         check_like(v, m, fn, "the state is not one this transform made")
         decays = [False] * len(m.blocks)

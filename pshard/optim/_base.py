@@ -192,7 +192,7 @@ def apply_updates(params: Any, updates: Any, *, donate: bool = False) -> Any:
 
     Raises:
         ValueError: ``updates``'s structure or layouts differ from ``params``'s (naming the key
-            path).
+            path); with ``donate=True``, two keys of ``params`` share memory (naming both).
 
     Example:
         >>> import torch, pshard as ps
@@ -203,6 +203,8 @@ def apply_updates(params: Any, updates: Any, *, donate: bool = False) -> Any:
     p = flatten(params, fn, "params")
     u = flatten(updates, fn, "updates")
     check_like(u, p, fn, "pass the updates that update(grads, state, params) returned")
+    if donate:
+        p.check_distinct(fn)
     out: list[torch.Tensor] = list(p.blocks)
     keys = [(x.device, x.dtype, y.dtype) for x, y in zip(p.blocks, u.blocks, strict=True)]
     for idx in groups(keys):

@@ -23,7 +23,14 @@ from optree import PyTreeSpec
 
 from .._core.global_tensor import GlobalMeta, is_global
 from .._core.specs import broadcast_prefix_flat
-from .._core.tree import NAMESPACE, describe, keystr, tree_flatten, tree_flatten_with_path
+from .._core.tree import (
+    NAMESPACE,
+    article,
+    describe,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+)
 from .._runtime import stage_parts
 
 __all__ = [
@@ -68,6 +75,57 @@ class Flat:
     def where(self, i: int) -> str:
         """The key path of leaf ``i`` in the user's terms (``grads['w']``)."""
         return keystr(tree_flatten_with_path(self.tree)[0][i], self.arg)
+
+    def check_floating(self, fn: str) -> None:
+        """Raise unless every block is floating-point (what an optimizer updates).
+
+        Raises:
+            TypeError: naming the first leaf that is not, and its dtype.
+        """
+        for i, b in enumerate(self.blocks):
+            if not (b.is_floating_point() or b.is_complex()):
+                kind = str(b.dtype).removeprefix("torch.")
+                raise TypeError(
+                    f"{fn}: {self.where(self._leaf_of(i))} is {article(kind)} tensor; "
+                    f"optimizers update floating-point tensors: keep integer and boolean values "
+                    f"(step counters, index tables, masks) out of the tree they update"
+                )
+
+    def check_distinct(self, fn: str) -> None:
+        """Raise if two blocks share memory (two keys holding one tensor, or views that
+        overlap): written in place, one would take both updates.
+
+        Raises:
+            ValueError: naming both key paths.
+        """
+        spans: dict[int, list[tuple[int, int, int]]] = {}
+        for i, b in enumerate(self.blocks):
+            if b.numel() == 0:
+                continue
+            start = b.data_ptr()
+            extent = sum((n - 1) * abs(st) for n, st in zip(b.shape, b.stride(), strict=True))
+            end = start + (extent + 1) * b.element_size()
+            owner = b.untyped_storage().data_ptr()
+            for other_start, other_end, j in spans.setdefault(owner, []):
+                if start < other_end and other_start < end:
+                    raise ValueError(
+                        f"{fn}: {self.where(self._leaf_of(j))} and "
+                        f"{self.where(self._leaf_of(i))} share memory (one tensor under two "
+                        f"keys, or overlapping views); written in place (donate=True) it would "
+                        f"take both updates. Keep one key per tensor (tie weights after the "
+                        f"update), or update without donate"
+                    )
+            spans[owner].append((start, end, i))
+
+    def _leaf_of(self, block: int) -> int:
+        """The index among :attr:`leaves` (a GlobalTensor one leaf) of block ``block``."""
+        if len(self.leaves) == len(self.blocks):
+            return block
+        target = self.blocks[block]
+        for k, leaf in enumerate(self.leaves):
+            if getattr(leaf, "local", leaf) is target:
+                return k
+        return block
 
     def rebuild(self, blocks: Sequence[torch.Tensor]) -> Any:
         """A tree of this structure holding ``blocks``, each in a ``GlobalTensor`` of its

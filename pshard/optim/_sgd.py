@@ -73,6 +73,7 @@ def sgd(
 
     def init(params: Any) -> SgdState:
         p = flatten(params, fn, "params")
+        p.check_floating(fn)
         if decay is None:
             return SgdState(0, None)
         return SgdState(0, p.rebuild([torch.zeros_like(b) for b in p.blocks]))
@@ -83,6 +84,7 @@ def sgd(
         state = as_state(state, SgdState, fn)
         lr = rate_at(learning_rate, state.count, fn)
         g = flatten(updates, fn, "grads")
+        g.check_floating(fn)
         out: list[torch.Tensor] = list(g.blocks)
         if decay is None:
             with torch.no_grad() if donate else contextlib.nullcontext():
