@@ -129,38 +129,46 @@ def test_cuda_amp_loop_matches_torch_utils_checkpoint() -> None:
 
 
 def test_a_default_dtype_changed_before_the_backward_is_named() -> None:
-    """The default dtype is not set back for the recompute (a program sets it once): a
-    recompute that takes another path because it changed says so."""
+    """The default dtype is not set back for the recompute (a program sets it once): changed
+    between the forward and the backward it is an error naming it, under .backward() and
+    torch.func.grad, whether or not the recompute would take another path (it said 'took
+    another path than its forward ... aten.mul.Tensor' first)."""
 
     @checkpoint
     def scaled(w: torch.Tensor) -> torch.Tensor:
-        return torch.sin(w) * torch.tensor([1.5]).to(w.dtype)
+        return w * torch.tensor(1.5)  # a new tensor in the default dtype
 
     @checkpoint
-    def shifted(w: torch.Tensor) -> torch.Tensor:
-        return torch.sin(w) + torch.zeros(3)
+    def same(w: torch.Tensor) -> torch.Tensor:
+        return torch.sin(w) * 2
 
     named = (
-        "The default dtype was float32 in the forward and is float64 in the recompute "
-        "(torch.set_default_dtype between the forward and the backward; keep it as the "
-        "forward had it until the backward is done)"
+        "cannot be recomputed as its forward ran: the default dtype was float32 in the "
+        "forward and is float64 in the recompute (torch.set_default_dtype between the forward "
+        "and the backward; keep it as the forward had it until the backward is done)"
     )
-    returned = "returned [(3,) float64] (structure PyTreeSpec(*)) but its forward returned [(3,) "
-    texts = {
-        scaled: "it ran it with other a float32 tensor of values [1.5] where the forward had "
-        "other the output of operation 2. " + named,
-        shifted: returned + "float32] (structure PyTreeSpec(*)): t" + named[1:],
-    }
     dtype = torch.get_default_dtype()
-    for f, text in texts.items():
-        w = torch.randn(3, requires_grad=True)
-        loss = f(w).sum()
+
+    def under_grad(f: Any, w: torch.Tensor) -> None:
+        def loss(w: torch.Tensor) -> torch.Tensor:
+            y = f(w).sum()
+            torch.set_default_dtype(torch.float64)
+            return y
+
+        torch.func.grad(loss)(w)
+
+    def under_backward(f: Any, w: torch.Tensor) -> None:
+        loss = f(w.requires_grad_()).sum()
         torch.set_default_dtype(torch.float64)
-        try:
-            with pytest.raises(ValueError, match=re.escape(text)):
-                loss.backward()
-        finally:
-            torch.set_default_dtype(dtype)
+        loss.backward()
+
+    for f in (scaled, same):
+        for run in (under_grad, under_backward):
+            try:
+                with pytest.raises(ValueError, match=re.escape(f"{f.__name__} {named}")):
+                    run(f, torch.randn(3))
+            finally:
+                torch.set_default_dtype(dtype)
 
 
 def test_saved_tensor_hooks_are_refused_in_the_forward() -> None:

@@ -330,6 +330,11 @@ class Call:
 
     def _recompute(self, xs: Sequence[Any], kept: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         assert self.tape is not None
+        cause = modes.changed(self.modes)
+        if cause is not None:
+            raise ValueError(
+                f"ps.checkpoint: {self.name} cannot be recomputed as its forward ran: the {cause}"
+            )
         replayer = Replayer(self.tape, xs, kept)
         left = self.tape.outputs[self.n_returned :]
         finder = Made() if left else None
@@ -340,19 +345,18 @@ class Call:
             flat, treedef = flatten(out)
             outs = [x for x in flat if isinstance(x, torch.Tensor)]
             meta = [(t.shape, t.dtype) for t in outs]
-            cause = modes.changed(self.modes)
             forward_meta = self.out_meta[: self.n_returned]
             if treedef != self.out_treedef or meta != forward_meta:
                 raise ValueError(
                     f"ps.checkpoint: the recompute of {self.name} returned {_shapes(meta)} "
                     f"(structure {treedef}) but its forward returned {_shapes(forward_meta)} "
-                    f"(structure {self.out_treedef}){_because(cause)}; a checkpointed function "
+                    f"(structure {self.out_treedef}); a checkpointed function "
                     f"must compute the same thing each time it is called with the same arguments"
                 )
             if finder is not None:
                 outs += self._left_again(replayer, finder, left)
             vmapped = any(kind == "vmap" for kind, _ in compat.transforms())
-            replayer.finish(outs, vmapped=vmapped, cause=cause)
+            replayer.finish(outs, vmapped=vmapped)
         finally:
             replayer.close()
             if finder is not None:
@@ -527,10 +531,6 @@ def _no_hooks(name: str) -> contextlib.AbstractContextManager[Any]:
 
 def _shapes(meta: Sequence[tuple[torch.Size, torch.dtype]]) -> str:
     return "[" + ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in meta) + "]"
-
-
-def _because(cause: str | None) -> str:
-    return "" if cause is None else f": the {cause}"
 
 
 class _Checkpoint(torch.autograd.Function):

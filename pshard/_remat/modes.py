@@ -6,7 +6,7 @@ A recompute runs during the backward, which may run under other modes than the f
 (:func:`capture`) and is either restored for the recompute (:func:`restored`: autocast, per
 device type, as ``torch.utils.checkpoint`` restores it) or only compared (:func:`changed`: a
 mode that a program sets once, such as the default dtype, which a recompute must not silently
-switch back; when the recompute takes another path, its error names the mode that changed).
+switch back; a recompute under another value is an error naming the mode, before it runs).
 
 What lives in a ``contextvars`` context needs nothing here: the recompute runs in a copy of
 the forward's context (:class:`pshard._remat.function.Call`), so every context variable (the
@@ -108,8 +108,7 @@ def restored(modes: Modes) -> Iterator[None]:
 
 def changed(modes: Modes) -> str | None:
     """The modes that are not set back for the recompute and differ now from the forward's
-    ``modes``, in words (``None`` if none): the likely cause of a recompute that took another
-    path."""
+    ``modes``, in words (``None`` if none): the recompute refuses to run under them."""
     parts = [
         f"{mode.name} was {mode.show(before)} in the forward and is {mode.show(now)} in the "
         f"recompute ({mode.how} between the forward and the backward; keep it as the forward "

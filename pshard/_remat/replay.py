@@ -286,18 +286,13 @@ class Replayer(compat.TorchDispatchMode):
                 leaves.append(value)
         return rebuild(entry.spec, leaves), fresh
 
-    def finish(
-        self, outputs: Sequence[torch.Tensor | None], *, vmapped: bool, cause: str | None = None
-    ) -> None:
-        """Check that the recompute ran the forward's program (see the module docs); ``cause``:
-        a global mode that changed since the forward (:func:`pshard._remat.modes.changed`),
-        named in the error."""
+    def finish(self, outputs: Sequence[torch.Tensor | None], *, vmapped: bool) -> None:
+        """Check that the recompute ran the forward's program (see the module docs)."""
         tape = self.tape
         if vmapped or tape.vmapped:
             return
-        mode = "" if cause is None else f" The {cause}."
         if self._changed is not None:
-            raise ValueError(self._changed if cause is None else f"{self._changed}.{mode}")
+            raise ValueError(self._changed)
         instead = f"; it ran {self._unmatched} instead" if self._unmatched else ""
         carried = ""
         if self._carried is not None:
@@ -327,7 +322,7 @@ class Replayer(compat.TorchDispatchMode):
                 f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                 f"forward: the forward ran {entry.text} (operation {j + 1} of "
                 f"{len(tape.entries)}), which the recompute did not"
-                f"{instead if differs is None else f'; it ran it with {differs}'}{carried}.{mode} "
+                f"{instead if differs is None else f'; it ran it with {differs}'}{carried}. "
                 f"{advice}"
             )
         for i, (t, src) in enumerate(zip(outputs, tape.outputs, strict=True)):
@@ -338,13 +333,13 @@ class Replayer(compat.TorchDispatchMode):
                     f"forward: a tensor its forward let out by another route than its return "
                     f"value ({tuple(shape)}, {dtype}: appended to a list, written to a dict or "
                     f"an attribute, or recorded by a forward hook) was not computed again"
-                    f"{instead}{carried}.{mode} {advice}"
+                    f"{instead}{carried}. {advice}"
                 )
             if src is not None and self._sources.get(compat.innermost(t)) != src:
                 raise ValueError(
                     f"ps.checkpoint: the recompute of {tape.name} took another path than its "
                     f"forward: its output {i} ({tuple(t.shape)}, {t.dtype}) was computed "
-                    f"differently{instead}{carried}.{mode} {advice}"
+                    f"differently{instead}{carried}. {advice}"
                 )
 
     def close(self) -> None:
