@@ -848,3 +848,52 @@ def test_merged_microbatches_match_the_full_run(case):
         strict=True,
     ):
         torch.testing.assert_close(got, want)
+
+
+# ----------------------------------------------------------------------- what language models do
+
+
+def _padded_mask(mask: torch.Tensor, q: int) -> torch.Tensor:
+    """A padding mask read by example index, as Hugging Face's mask functions read it."""
+    b = torch.arange(mask.shape[0])[:, None, None]
+    kv = torch.arange(mask.shape[1])[None, None, :]
+    return mask[b, kv].expand(-1, q, -1)
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        # the shift of the labels (torch's fake pad kernel fixed the batch size)
+        (lambda x, m: F.pad(x, (0, 1), value=-1.0), S0),
+        # a padding mask read with arange over the batch
+        (lambda x, m: _padded_mask(m, 3), S0),
+        (lambda x, m: x[torch.arange(x.shape[0]), 0], S0),
+        # rotary halves joined along the features
+        (lambda x, m: torch.cat([-x[..., 2:], x[..., :2]], dim=-1), S0),
+        # an attention kernel and its gradient
+        (lambda x, m: F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None]), S0),
+        (
+            lambda x, m: torch.func.grad(
+                lambda y: F.scaled_dot_product_attention(y[:, None], y[:, None], y[:, None]).sum()
+            )(x),
+            S0,
+        ),
+    ],
+)
+def test_language_model_ops(fn, expected):
+    x, mask = torch.randn(5, 3, 4), torch.ones(5, 3, dtype=torch.bool)
+    assert infer(fn, x, mask) == expected
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x * torch.arange(x.shape[0])[:, None, None],  # positions as values
+        lambda x: F.pad(x, (0, 0, 0, 0, 1, 0)),  # padding the batch dim
+        lambda x: torch.cat([x, x], dim=0),  # joining along the batch dim
+        lambda x: x[torch.arange(x.shape[0]).flip(0)],  # rows in another order
+    ],
+)
+def test_batch_positions_as_values_are_refused(fn):
+    with pytest.raises(ValueError, match="pass out_specs explicitly"):
+        infer(fn, torch.randn(5, 3, 4))

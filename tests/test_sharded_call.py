@@ -323,3 +323,15 @@ def _per_rank_data_worker() -> list[str]:
 def test_per_rank_data_outside_a_map_is_an_error_in_debug_mode(pool: Any) -> None:
     for (message,) in pool.run(2, _per_rank_data_worker):
         assert "debug mode: the cotangent of the whole value differs between the ranks" in message
+
+
+def test_a_meta_parameter_missing_from_params_is_named() -> None:
+    """A module built on the meta device, a parameter missing from params: sharded_call names
+    it (torch said 'Tensor on device meta is not on the expected device cpu!')."""
+    ps.init_mesh({"dp": 1})
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    params = {k: torch.randn(v.shape) for k, v in model.named_parameters() if k != "1.bias"}
+    text = "sharded_call: the module's parameter '1.bias' is on the meta device"
+    with pytest.raises(ValueError, match=re.escape(text)):
+        ps.sharded_call(model, ps.shard(params, ps.P("dp")), (torch.randn(2, 3),))

@@ -137,6 +137,9 @@ from .base import (
     swap_contents as swap_contents,
 )
 from .base import (
+    symbolic_reference as symbolic_reference,
+)
+from .base import (
     top_transform as top_transform,
 )
 from .base import (
@@ -255,6 +258,7 @@ __all__ = [
     "unwrap_dead",
     "unwrap_dead_tensor",
     "swap_contents",
+    "symbolic_reference",
     "unwrap_level",
     "use_count",
     "when_compiling",

@@ -58,6 +58,7 @@ __all__ = [
     "unwrap_dead",
     "unwrap_dead_tensor",
     "swap_contents",
+    "symbolic_reference",
     "unwrap_level",
     "use_count",
     "wrap_level",
@@ -192,6 +193,18 @@ def fake_tensor_types() -> tuple[type, type]:
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     return FakeTensor, FakeTensorMode
+
+
+def symbolic_reference(op: Any) -> Callable[..., Any] | None:
+    """The Python reference (``torch._refs``) of an operator whose fake kernel fixes a symbolic
+    size to its example value (``constant_pad_nd`` reads its input's sizes as integers: the
+    padding of labels in Hugging Face's causal-LM loss), ``None`` for the others: run on fake
+    tensors with symbolic sizes, the reference keeps them symbolic."""
+    import torch._refs as refs
+
+    if op is torch.ops.aten.constant_pad_nd.default:
+        return refs.constant_pad_nd
+    return None
 
 
 def constant_source(name: str) -> Any:

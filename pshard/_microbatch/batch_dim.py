@@ -45,6 +45,7 @@ from .._core.tree import (
     tree_flatten_with_path,
     tree_unflatten,
 )
+from .._modules.adapter import prepare_tracing
 from .batch_kinds import CONST, Kind, describe_kind
 from .batch_trace import Trace, is_fake
 from .fn_state import state_key
@@ -356,6 +357,7 @@ def _trace_out_specs(
         if d != dim
     }
     trace = Trace(_next_prime(_HINT_START, static))
+    prepare_tracing()  # model families skip their checks on values
     # The answer depends on fn and the inputs' metadata only: the trace runs outside any
     # torch.func transform that is calling us (grad, vmap, ...).
     with outside_transforms():

@@ -12,6 +12,9 @@ Every tensor of a trace gets a :class:`Kind` (none: it does not depend on the ba
 - ``inv``: ``B**p`` divided by a batch sum (``1 / token_count``);
 - ``rowratio``: per-example values divided by a batch sum (a token mean's per-token terms);
 - ``ratio``: a batch sum divided by another batch sum (a mean over tokens, not rows);
+- ``pos``: each example's position in the batch (``arange(B)``), which differs from microbatch
+  to microbatch: only reading a per-example value by it (``x[arange(B), ...]``, a padding mask
+  read by example index) gives something a merge reproduces;
 - ``mixed``: anything else (the square of a mean, a row minus the batch mean, the first row).
 
 An output then merges over microbatches exactly when it is ``const`` with ``p`` 0
@@ -34,6 +37,7 @@ from typing import NamedTuple
 __all__ = [
     "CONST",
     "MIXED",
+    "POS",
     "Kind",
     "add_kinds",
     "add_powers",
@@ -54,6 +58,7 @@ class Kind(NamedTuple):
 
 CONST = Kind("const", 0)
 MIXED = Kind("mixed", None)
+POS = Kind("pos", 0)
 
 
 def describe_kind(k: Kind | None) -> str:
@@ -70,6 +75,7 @@ def describe_kind(k: Kind | None) -> str:
         "inv": "divided by a sum over the batch",
         "rowratio": "per-example values divided by a sum over the batch",
         "ratio": "a ratio of two sums over the batch (a mean over tokens, say)",
+        "pos": "each example's position in the batch (arange over the batch size)",
         "mixed": "a mix of the batch that no merge of microbatches reproduces",
     }[k.kind]
 

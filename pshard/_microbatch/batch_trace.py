@@ -34,6 +34,7 @@ from .._compat import (
     constant_source,
     fake_tensor_types,
     is_wrapped,
+    symbolic_reference,
 )
 from .._core.tree import NAMESPACE
 from .batch_kinds import CONST, MIXED, Kind, join
@@ -143,7 +144,8 @@ class KindMode(TorchDispatchMode):
             call = optree.tree_map(self._fake, call, namespace=NAMESPACE)
             leaves = optree.tree_leaves(call, namespace=NAMESPACE)
         args, kwargs = call
-        out = func(*args, **kwargs)
+        reference = symbolic_reference(func)  # (a kernel that would fix the batch size)
+        out = (func if reference is None else reference)(*args, **kwargs)
         inputs = [x for x in leaves if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat))]
         if not isinstance(func, OpOverload):  # a higher-order op: no rule
             kind = MIXED if any(self.rules.value_kind(x) != CONST for x in inputs) else CONST

@@ -30,6 +30,7 @@ from .._compat import OpOverload
 from .batch_kinds import (
     CONST,
     MIXED,
+    POS,
     Kind,
     add_kinds,
     add_powers,
@@ -92,6 +93,24 @@ _DIM_MIXING = frozenset({  # per-example unless they act along the batch dim
     _aten.var_mean, _aten.std_mean, _aten.linalg_vector_norm, _aten.norm, _aten.any,
     _aten.all, _aten.count_nonzero, _aten.nanmedian, _aten.glu, _aten.diff,
 })  # fmt: skip
+
+# attention kernels (and their backwards): each index of dim 0 (the batch) computed on its own
+_PER_EXAMPLE = frozenset(
+    getattr(_aten, name)
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_scaled_dot_product_fused_attention_overrideable_backward",
+    )
+    if hasattr(_aten, name)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +201,8 @@ class Rules:
         if packet in _FACTORY:
             return self._factory(op)
         if packet in _POSITIONAL:
+            if packet is _aten.arange and self._batch_positions(op):
+                return POS
             return MIXED if any(k != CONST for k in kinds) or self._sized(args) else CONST
         if packet in _SAME:
             return self._same(op, first, k0)
@@ -213,6 +234,8 @@ class Rules:
             return self._extreme(op, first, k0, _EXTREME[packet])
         if packet in _MATMUL:
             return self._matmul(op)
+        if packet in _PER_EXAMPLE:
+            return self._per_example(inputs, kinds, packet.__name__.endswith("_backward"))
         if packet in _DIM_MIXING:
             return MIXED if self._acts_on_batch(op, first) else pointwise_kind(kinds)
         special = getattr(self, "_" + packet.__name__.lstrip("_"), None)
@@ -226,6 +249,34 @@ class Rules:
 
     def _sized(self, args: tuple[Any, ...]) -> bool:
         return any(self.is_batch(a) for a in _flat(args))
+
+    def _per_example(self, inputs: Sequence[Any], kinds: list[Kind], backward: bool) -> Kind:
+        """A kernel computing each index of dim 0 on its own: per-example values where every
+        input is one (with the batch dim first) or the same for the whole batch. A backward is
+        linear in its first input, the cotangent: its outputs take the cotangent's kind (a
+        token mean's per-token terms stay so)."""
+        out = Kind("row", 0)
+        for i, (x, k) in enumerate(zip(inputs, kinds, strict=True)):
+            if k == CONST:
+                continue
+            if self.batch_dims(x) != [0]:
+                return MIXED
+            if i == 0 and backward and k.kind == "rowratio":
+                out = k
+            elif k != Kind("row", 0):
+                return MIXED
+        return out
+
+    def _batch_positions(self, op: OpCall) -> bool:
+        """``arange(B)``: each example's position in the batch."""
+        numbers = [a for a in op.args if not isinstance(a, torch.Tensor)]
+        if len(numbers) == 1:
+            end = numbers[0]
+        elif len(numbers) in (2, 3) and numbers[0] == 0 and (len(numbers) == 2 or numbers[2] == 1):
+            end = numbers[1]
+        else:
+            return False
+        return isinstance(end, torch.SymInt) and self.power(end) == 1 and self.is_batch(end)
 
     def _factory(self, op: OpCall) -> Kind:
         packet = self.packet
@@ -262,7 +313,7 @@ class Rules:
         return k0
 
     def _slice(self, op: OpCall, first: Any, k0: Kind) -> Kind:
-        if k0.kind not in ("row", "rowratio"):
+        if k0.kind not in ("row", "rowratio", "pos"):
             return k0
         dim = int(op.arg("dim", 0)) % max(first.dim(), 1)
         if dim not in self.batch_dims(first):
@@ -282,7 +333,7 @@ class Rules:
             return Kind("row", k0.p) if not self.batch_dims(first) else k0
         if k0.kind == "inv":
             return Kind("rowratio", 0) if k0.p == 0 else MIXED
-        if k0.kind in ("row", "rowratio"):
+        if k0.kind in ("row", "rowratio", "pos"):
             return k0
         return MIXED  # a batch statistic broadcast to every row
 
@@ -348,6 +399,8 @@ class Rules:
             return Kind("sum", grad.p)
         if grad.kind == "rowratio":
             return Kind("ratio", 0)
+        if grad.kind in ("sum", "ratio") and all(k == CONST for k in kinds[1:]):
+            return grad  # summed over the batch already (a position table): linear in it
         return MIXED
 
     def _nll_loss_forward(self, op: OpCall, kinds: list[Kind]) -> Kind:
@@ -423,8 +476,16 @@ class Rules:
         kx = self.value_kind(x)
         indexed = [d for d, i in enumerate(indices) if i is not None]
         kinds_i = [self.value_kind(i) for i in indices if i is not None]
+        batch = self.batch_dims(x)
+        if kx.kind == "row" and len(batch) == 1 and indexed[:1] == batch and kinds_i[0] == POS:
+            # x[arange(B)[:, None], j]: each example's own row (a padding mask read by
+            # example index); the other indices must not depend on the batch otherwise
+            rest = kinds_i[1:]
+            if all(k == CONST or k == Kind("row", 0) for k in rest) and kx.p == 0:
+                return kx
+            return MIXED
         ki = CONST if all(k == CONST for k in kinds_i) else pointwise_kind(kinds_i)
-        if kx.kind in ("row", "rowratio") and any(d in indexed for d in self.batch_dims(x)):
+        if kx.kind in ("row", "rowratio") and any(d in indexed for d in batch):
             return MIXED  # picks rows of the batch
         if kx.kind == "row" and ki in (CONST, Kind("row", 0)):
             return kx if ki == CONST or kx.p == 0 else MIXED
@@ -486,6 +547,47 @@ class Rules:
             return self._scattered(kx, ks, True)
         if int(dim) % max(x.dim(), 1) in self.batch_dims(x):
             return MIXED
+        return pointwise_kind(kinds)
+
+    def _cat(self, op: OpCall, kinds: list[Kind]) -> Kind:
+        """Joining values along a dim that is not the batch dim keeps them per example (the
+        halves of rotary embeddings); along the batch dim it mixes microbatches."""
+        tensors = [t for t in _flat(op.args[:1]) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            dim = int(op.arg("dim", 0)) % max(t.dim(), 1)
+            if dim in self.batch_dims(t):
+                return MIXED
+        if kinds and all(k == kinds[0] for k in kinds) and kinds[0].kind in ("row", "rowratio"):
+            return kinds[0]  # (a gradient's per-token terms, joined)
+        return pointwise_kind(kinds)
+
+    def _slice_backward(self, op: OpCall, kinds: list[Kind]) -> Kind:
+        """The gradient of a slice: the cotangent placed in zeros of the input's size; the same
+        per-example values unless the slice picked rows of the batch."""
+        grad = op.args[0] if op.args else None
+        k0 = self.value_kind(grad)
+        if k0.kind not in ("row", "rowratio") or not isinstance(grad, torch.Tensor):
+            return k0 if k0 == CONST else MIXED
+        sizes = list(op.arg("input_sizes", ()))
+        dim = int(op.arg("dim", 0)) % max(len(sizes), 1)
+        if dim not in self.batch_dims(grad):
+            return k0
+        start, end, step = op.arg("start", 0), op.arg("end", None), op.arg("step", 1)
+        whole = start == 0 and step == 1 and (end is None or _is_max(end) or
+                                               _same_size(end, sizes[dim]))  # fmt: skip
+        return k0 if whole else MIXED
+
+    def _constant_pad_nd(self, op: OpCall, kinds: list[Kind]) -> Kind:
+        """Padding dims other than the batch dim with a constant (Hugging Face's shift of the
+        labels) keeps a per-example value per example."""
+        first = op.args[0] if op.args else None
+        pad = list(op.arg("pad", ()))
+        if not isinstance(first, torch.Tensor):
+            return MIXED
+        batch = self.batch_dims(first)
+        for i in range(len(pad) // 2):
+            if (pad[2 * i], pad[2 * i + 1]) != (0, 0) and first.dim() - 1 - i in batch:
+                return MIXED
         return pointwise_kind(kinds)
 
     def _native_dropout(self, op: OpCall, kinds: list[Kind]) -> Kind:

@@ -50,8 +50,10 @@ __all__ = [
     "TensorParallelParts",
     "PreparedCall",
     "Reduce",
+    "TracingPart",
     "find_adapter",
     "initializer_part",
+    "prepare_tracing",
     "register_adapter",
     "registered_adapters",
     "tensor_parallel_part",
@@ -201,6 +203,16 @@ class InitializerPart(Protocol):
         ...
 
 
+@runtime_checkable
+class TracingPart(Protocol):
+    """What tracing on fake tensors (batch-dim analysis, ``ps.jit``) needs of one family."""
+
+    def prepare_tracing(self) -> None:
+        """Make the family's code know that tensors under ``torch.func`` wrappers may be fake
+        (so that it skips its checks on values while pshard traces it); idempotent."""
+        ...
+
+
 # adapter name -> adapter; written when an integration is imported, read afterwards
 _ADAPTERS: dict[str, ModelAdapter] = {}
 
@@ -240,3 +252,11 @@ def initializer_part(model: nn.Module) -> InitializerPart | None:
         if isinstance(adapter, InitializerPart) and adapter.matches(model):
             return adapter
     return None
+
+
+def prepare_tracing() -> None:
+    """Before tracing a function on fake tensors: every registered family that has a
+    :class:`TracingPart` is told."""
+    for adapter in _ADAPTERS.values():
+        if isinstance(adapter, TracingPart):
+            adapter.prepare_tracing()

@@ -302,6 +302,7 @@ def sharded_call(
     shared = _shared_names(own, params, prefixes)
     # every parameter or buffer given, under its name and its tied aliases
     given = {alias: n for n in params for alias in shared.get(n, (n,))}
+    _check_not_meta(module, own, given)
     members: dict[str, list[str]] = {p: [] for p, _ in unit_list}
     views: dict[Any, Any] = {}  # GlobalTensors' meshes, resolved once a call
     plans = {
@@ -385,6 +386,25 @@ def sharded_call(
         raise
     schedule.drain()  # what the forward issued and did not take
     return out
+
+
+def _check_not_meta(
+    module: torch.nn.Module, own: Mapping[str, torch.Tensor], given: Mapping[str, str]
+) -> None:
+    """A parameter or buffer ``params`` does not give is the module's own: one on the meta
+    device has no values to compute with."""
+    missing = [n for n, t in own.items() if n not in given and t.is_meta]
+    if not missing:
+        return
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    kind = "parameter" if missing[0] in params else "buffer"
+    more = f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else ""
+    raise ValueError(
+        f"{_FN}: the module's {kind} {missing[0]!r}{more} is on the meta device (the module was "
+        f"built with torch.device('meta')) and params does not give it, so there are no values "
+        f"to compute with; pass it in params (ps.init_sharded(module, specs) gives every "
+        f"parameter and buffer), or materialise the module first"
+    )
 
 
 def _local(value: Any) -> torch.Tensor:

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._compat import innermost
 from .._modules.adapter import AttentionHeads, PreparedCall, Reduce, register_adapter
 from .._runtime.rank_local import Slot, hold
 from ..sequence._lm import (
@@ -272,6 +273,21 @@ class TransformersAdapter:
         return output
 
     # ------------------------------------------------------------- init_sharded
+
+    def prepare_tracing(self) -> None:
+        """transformers skips its checks on values (``if (mask == 1).all():``) when it sees it
+        is being traced: a fake tensor among them. Under ``torch.func`` the tensors it sees are
+        wrappers of the fake ones; its test looks through them from now on."""
+        utils = sys.modules.get("transformers.utils.import_utils")
+        if utils is None or getattr(utils.is_fake_tensor, "_pshard", False):
+            return
+        own = utils.is_fake_tensor
+
+        def is_fake_tensor(x: Any) -> bool:
+            return bool(own(x) or (isinstance(x, torch.Tensor) and own(innermost(x))))
+
+        is_fake_tensor._pshard = True  # type: ignore[attr-defined]
+        utils.is_fake_tensor = is_fake_tensor
 
     def initializer(self, model: nn.Module) -> Callable[[], None] | None:
         """For :func:`pshard.init_sharded`: a Hugging Face model's own weight initialisation
