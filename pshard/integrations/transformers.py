@@ -278,10 +278,10 @@ class TransformersAdapter:
         """transformers skips its checks on values (``if (mask == 1).all():``) when it sees it
         is being traced: a fake tensor among them. Under ``torch.func`` the tensors it sees are
         wrappers of the fake ones; its test looks through them from now on."""
-        utils = sys.modules.get("transformers.utils.import_utils")
-        if utils is None or getattr(utils.is_fake_tensor, "_pshard", False):
+        utils: Any = sys.modules.get("transformers.utils.import_utils")
+        own = getattr(utils, "is_fake_tensor", None)
+        if own is None or getattr(own, "_pshard", False):
             return
-        own = utils.is_fake_tensor
 
         def is_fake_tensor(x: Any) -> bool:
             return bool(own(x) or (isinstance(x, torch.Tensor) and own(innermost(x))))
