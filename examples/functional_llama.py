@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
 import tempfile
@@ -271,11 +270,7 @@ def first_run(args: argparse.Namespace) -> tuple[list[float], list[float], tuple
     # the pretrained weights, each rank reading only its blocks of the safetensors files (over
     # "dp", and "tp" with --mesh ...,tp=2): the model never exists whole on a rank
     specs = param_specs(model, "tp" in args.mesh)
-    saved = ps.load_metadata(args.pretrained)  # state-dict name -> SavedTensor(shape, dtype)
-    names = [k for k, _ in model.named_parameters()]
-    like = {k: dataclasses.replace(saved[k], spec=specs if isinstance(specs, P) else specs[k])
-            for k in names}  # fmt: skip
-    params = ps.load(args.pretrained, like)
+    params = ps.load(args.pretrained, specs=specs)  # state-dict name -> GlobalTensor
     state = {"params": params, "opt": optimizer(args.steps).init(params), "step": 0}
     step = make_step(model, args)
     state, losses = train(step, state, args.steps, save=(args.path, args.save_at))
@@ -283,9 +278,9 @@ def first_run(args: argparse.Namespace) -> tuple[list[float], list[float], tuple
         sum(p.local.numel() for p in state["params"].values()),
         sum(p.shape.numel() for p in state["params"].values()),
     )
-    # the trained weights as a Hugging Face checkpoint (from_pretrained loads it once the
-    # config is beside it): each rank writes its blocks, then rank 0 consolidates
-    ps.save(args.export, state["params"], format="huggingface")
+    # the trained weights as a Hugging Face checkpoint, the config beside them (from_pretrained
+    # loads the directory): each rank writes its blocks, then rank 0 consolidates
+    ps.save(args.export, state["params"], format="huggingface", config=model.config)
     # resume on the same mesh: the state itself is the target (its layout, its mesh)
     _, again = train(step, ps.load(args.path, state), args.steps)
     return losses, again, held, ps.gather(state["params"])
@@ -295,13 +290,8 @@ def resumed_run(args: argparse.Namespace) -> list[float]:
     """Fresh ranks on another mesh: load the checkpoint into this mesh's layout, go on."""
     ps.init_mesh(args.resume_mesh)
     warnings.simplefilter("ignore")
-    # the checkpoint's tree: a SavedTensor(shape, dtype, spec, mesh) per tensor, plain values
-    saved = ps.load_metadata(args.path)
-    like = optree.tree_map(
-        lambda e: dataclasses.replace(e, spec=P("dp")) if isinstance(e, ps.SavedTensor) else e,
-        saved,
-    )
-    state = ps.load(args.path, like)  # GlobalTensors P("dp") on this mesh, "step" an int
+    # every tensor of the checkpoint as a GlobalTensor P("dp") on this mesh, "step" an int
+    state = ps.load(args.path, specs=P("dp"))
     _, losses = train(make_step(skeleton(MASTERS[args.dtype]), args), state, args.steps)
     return losses
 
@@ -338,11 +328,10 @@ def reference(steps: int, dtype: str = "float64") -> list[float]:
 
 
 def exported_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The weights ``from_pretrained`` loads from what ``ps.save(..., format="huggingface")``
-    wrote, once the model's config is written beside them."""
+    """The weights ``from_pretrained`` loads from what ``ps.save(..., format="huggingface",
+    config=...)`` wrote."""
     from transformers import AutoModelForCausalLM
 
-    config().save_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return {k: v.detach() for k, v in model.named_parameters()}
 

@@ -311,3 +311,40 @@ def test_spec_errors_name_the_parameter() -> None:
         ps.init_sharded(linear, {"weight": P("dp")}, seed=0)
     with pytest.raises(ValueError, match=re.escape("specs['bias']: P('dp', None) has 2 entries")):
         ps.init_sharded(linear, {"weight": P("dp"), "bias": P("dp", None)}, seed=0)
+
+
+def _runs_worker(shared: Any) -> Any:
+    ps.init_mesh({"dp": 2})
+    params = ps.init_sharded(shared, P("dp"), seed=5)
+    ids = torch.arange(16).reshape(2, 8) % 40
+    out = ps.sharded_call(shared, params, (), {"input_ids": ids, "labels": ids})
+    return out.loss, ps.gather(params)
+
+
+def test_a_meta_built_model_runs_after_init_sharded(pool: Any) -> None:
+    """The buffers a module computes are materialised by its own code (a Llama's rotary
+    inv_freq, a BatchNorm's running statistics), so sharded_call runs the meta-built model with
+    nothing rebuilt by hand, on 2 thread ranks sharing it; the loss is the model's own on the
+    gathered weights."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    (loss, whole), (loss1, _) = pool.run(2, _runs_worker, model)
+    real = transformers.LlamaForCausalLM(config)
+    for name, b in model.named_buffers():
+        assert b.device.type == "cpu" and torch.equal(b, real.get_buffer(name)), name
+    ids = torch.arange(16).reshape(2, 8) % 40
+    want = torch.func.functional_call(real, whole, (), {"input_ids": ids, "labels": ids}).loss
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(loss1, want)
+    ps.init_mesh({"dp": 1})
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    ps.init_sharded(net, P("dp"), seed=0)
+    assert torch.equal(net[1].running_mean, torch.zeros(4))
+    assert torch.equal(net[1].running_var, torch.ones(4))
+    assert net[1].num_batches_tracked.item() == 0

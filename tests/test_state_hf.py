@@ -231,3 +231,41 @@ def test_format_huggingface_writes_weights_only(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=re.escape("save: format must be 'dcp'")):
         save(tmp_path / "c", {"w": torch.ones(2)}, format="safetensors")  # type: ignore[arg-type]
     assert os.listdir(tmp_path) == []
+
+
+def test_load_with_specs_and_save_with_the_config(tmp_path: Path) -> None:
+    """ps.load(path, specs=...) reads straight into GlobalTensors of the specs (it took
+    load_metadata and a dataclasses.replace per key); ps.save(..., format="huggingface",
+    config=model.config) writes config.json too, so from_pretrained loads the directory alone
+    (bit for bit), and a second save with the config replaces it."""
+    ps.init_mesh({"tp": 1})
+    model = _llama()
+    weights = _weights(model)
+    path = _saved(model, tmp_path / "in", sharded=True)
+    specs = ps.tensor_parallel_specs(model)
+    got = ps.load(path, specs=specs)
+    assert got.keys() == weights.keys()
+    for k, g in got.items():
+        want = P(*specs[k], *[None] * (len(g.shape) - len(specs[k])))
+        assert isinstance(g, ps.GlobalTensor) and g.spec == want, (k, g.spec)
+        assert torch.equal(ps.gather(g), weights[k]), k
+    whole = ps.load(path, specs=None)  # None: every tensor whole
+    assert all(type(v) is torch.Tensor and torch.equal(v, weights[k]) for k, v in whole.items())
+    with pytest.raises(TypeError, match=re.escape("load: give either like")):
+        ps.load(path, whole, specs=None)
+    with pytest.raises(TypeError, match=re.escape("load specs['lm_head.weight']: a str ('rows')")):
+        ps.load(path, specs={**specs, "lm_head.weight": "rows"})
+    out = tmp_path / "out"
+    for _ in range(2):  # the second replaces the first, config.json included
+        ps.save(out, got, format="huggingface", config=model.config)
+    assert "config.json" in os.listdir(out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    with pytest.raises(TypeError, match=re.escape("save: config is a dict")):
+        ps.save(tmp_path / "x", got, format="huggingface", config={"a": 1})
+    with pytest.raises(TypeError, match=re.escape("save: config= is written beside")):
+        ps.save(tmp_path / "y", got, config=model.config)
+    # without config=, a config.json beside the weights is not pshard's to delete
+    with pytest.raises(ValueError, match=re.escape("entries pshard did not write: 'config.json'")):
+        ps.save(out, got, format="huggingface")

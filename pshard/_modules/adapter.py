@@ -45,12 +45,14 @@ from torch import nn
 
 __all__ = [
     "AttentionHeads",
+    "ConfigPart",
     "ModelAdapter",
     "InitializerPart",
     "TensorParallelParts",
     "PreparedCall",
     "Reduce",
     "TracingPart",
+    "config_file",
     "find_adapter",
     "initializer_part",
     "prepare_tracing",
@@ -213,6 +215,16 @@ class TracingPart(Protocol):
         ...
 
 
+@runtime_checkable
+class ConfigPart(Protocol):
+    """What ``ps.save(..., format="huggingface", config=...)`` needs of one family."""
+
+    def config_file(self, config: Any) -> tuple[str, str] | None:
+        """The file a checkpoint of the family holds beside its weights for ``config`` (name
+        and text: ``("config.json", ...)``), or ``None`` for a config of another family."""
+        ...
+
+
 # adapter name -> adapter; written when an integration is imported, read afterwards
 _ADAPTERS: dict[str, ModelAdapter] = {}
 
@@ -260,3 +272,14 @@ def prepare_tracing() -> None:
     for adapter in _ADAPTERS.values():
         if isinstance(adapter, TracingPart):
             adapter.prepare_tracing()
+
+
+def config_file(config: Any) -> tuple[str, str] | None:
+    """The name and text of the file that holds ``config`` beside a model's weights, from the
+    family that knows it (``None``: no registered family does)."""
+    for adapter in reversed(_ADAPTERS.values()):
+        if isinstance(adapter, ConfigPart):
+            found = adapter.config_file(config)
+            if found is not None:
+                return found
+    return None

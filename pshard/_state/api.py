@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["load", "load_metadata", "save"]
+
+_NOT_GIVEN: Any = object()  # (None is a value a tree may hold)
 
 
 def save(
@@ -16,6 +22,7 @@ def save(
     *,
     async_save: bool = False,
     format: Literal["dcp", "huggingface"] = "dcp",
+    config: Any = None,
 ) -> Future[None] | None:
     """Save ``tree`` as a checkpoint at ``path`` (a directory), in
     ``torch.distributed.checkpoint``'s format. Every rank calls it, with the same tree.
@@ -36,14 +43,15 @@ def save(
     ...}``, or nested dicts whose keys join to them), each rank writing its blocks and rank 0
     consolidating them into ``model-0000i-of-0000N.safetensors`` (up to 5 GB each) and
     ``model.safetensors.index.json`` (torch's ``HuggingFaceStorageWriter``), written aside and
-    switched in the same way. ``AutoModelForCausalLM.from_pretrained(path)`` loads it once
-    ``config.json`` is beside it (``model.config.save_pretrained(path)``); :func:`load` reads
-    it back sharded.
+    switched in the same way. With ``config=model.config`` the model's ``config.json`` is
+    written with them, so ``AutoModelForCausalLM.from_pretrained(path)`` loads the directory
+    alone; :func:`load` reads it back sharded.
 
     Args:
         path: the checkpoint directory: it must not exist, be empty, or hold a checkpoint
             and nothing else (which it replaces; files pshard and DCP did not write there,
-            a ``config.json`` or ``logs/``, are never deleted: the save refuses them).
+            a ``config.json`` unless ``config`` is given, or ``logs/``, are never deleted:
+            the save refuses them).
         tree: a pytree of GlobalTensors, tensors, DTensors, int, float, str, bool, ``None``
             and :class:`RngState`, with str (or int) keys.
         async_save: return at once with a ``concurrent.futures.Future`` while a background
@@ -53,6 +61,9 @@ def save(
             exit; its exchanges need no process group).
         format: ``"dcp"`` (pshard's checkpoint) or ``"huggingface"`` (safetensors of a
             model's weights).
+        config: with ``format="huggingface"``, the model's config (a Hugging Face
+            ``PretrainedConfig``): written as ``config.json`` beside the weights (replacing
+            one there).
 
     Returns:
         ``None``, or with ``async_save`` a ``Future`` whose ``result()`` is ``None`` once the
@@ -60,7 +71,8 @@ def save(
 
     Raises:
         TypeError: a leaf a checkpoint cannot hold (the message names its key path; with
-            ``format="huggingface"``, anything but a tensor of a dtype safetensors holds).
+            ``format="huggingface"``, anything but a tensor of a dtype safetensors holds); a
+            ``config`` no registered model family writes, or one with ``format="dcp"``.
         ValueError: two leaves with one DCP key, a GlobalTensor whose block does not fit its
             spec and global shape, ranks passing different trees (each difference named),
             copies of a whole tensor or of a replicated GlobalTensor's block that differ
@@ -82,7 +94,7 @@ def save(
     """
     from .save import save as run  # torch.distributed.checkpoint, loaded at the first call
 
-    return run(path, tree, async_save=async_save, format=format)
+    return run(path, tree, async_save=async_save, format=format, config=config)
 
 
 def load_metadata(path: str | os.PathLike[str]) -> Any:
@@ -119,9 +131,16 @@ def load_metadata(path: str | os.PathLike[str]) -> Any:
 
 
 def load(
-    path: str | os.PathLike[str], like: Any, *, partial: bool = False, verify: bool = True
+    path: str | os.PathLike[str],
+    like: Any = _NOT_GIVEN,
+    *,
+    specs: Any = _NOT_GIVEN,
+    mesh: DeviceMesh | None = None,
+    partial: bool = False,
+    verify: bool = True,
 ) -> Any:
-    """Read the checkpoint at ``path`` into the layout of ``like``.
+    """Read the checkpoint at ``path`` into the layout of ``like``, or straight into the
+    layouts ``specs`` gives (``ps.load(path, specs=ps.P("dp"))``).
 
     ``like`` is only read: its structure is the result's, and each leaf says what to read:
 
@@ -144,9 +163,19 @@ def load(
     ``ps.reshard`` for a layout DTensor cannot express (uneven ``StridedShard``), read in its
     nearest expressible layout and then moved.
 
+    ``specs`` (instead of ``like``) is a prefix tree of the saved tree (a single spec for every
+    tensor, ``{"params": P("dp"), "step": None}``, the specs of ``ps.tensor_parallel_specs`` for
+    a Hugging Face directory's flat dict): each tensor comes back as a ``GlobalTensor`` of its
+    spec (``Replicate()`` for ``P()``), or whole where the spec is ``None``; the other values as
+    saved. It is ``load(path, like)`` with ``like`` what :func:`load_metadata` gives, each
+    entry's spec replaced.
+
     Args:
         path: a checkpoint directory, or a Hugging Face model directory.
         like: the tree to read into.
+        specs: the layouts to read into (a prefix tree of the saved tree), instead of ``like``.
+        mesh: the mesh the ``GlobalTensor`` s of ``specs`` (and of ``SavedTensor`` leaves of
+            ``like``) are laid out on; default the current mesh.
         partial: read only the keys of ``like`` (a checkpoint may hold more).
         verify: compare every chunk read with the checksum the save recorded (the bytes'
             CRC-32, in the manifest); ``False`` skips it (a truncated file is still an error).
@@ -162,7 +191,8 @@ def load(
             kind differ (one error lists every such key path); a damaged checkpoint: a chunk
             whose checksum differs from the one saved, or a truncated file (the file, the key
             and the checkpoint named).
-        TypeError: a leaf of ``like`` that names nothing to read.
+        TypeError: a leaf of ``like`` that names nothing to read, a spec leaf that is not a
+            layout, both ``like`` and ``specs`` given or neither.
         RuntimeError: another rank reading the same values failed; saves replaced ``path``
             again and again while the load read it.
 
@@ -176,6 +206,17 @@ def load(
         >>> ps.load(path, ps.load_metadata(path))["w"].spec
         P('dp')
     """
+    from .._runtime.mesh import use_mesh
+    from .load import like_from_specs
     from .load import load as run  # torch.distributed.checkpoint, loaded at the first call
 
-    return run(path, like, partial=partial, verify=verify)
+    if (like is _NOT_GIVEN) == (specs is _NOT_GIVEN):
+        raise TypeError(
+            "load: give either like (the tree to read into) or specs (the layouts to read "
+            "into: ps.load(path, specs=ps.P('dp')))"
+            + (", not both" if specs is not _NOT_GIVEN else "")  # fmt: skip
+        )
+    with use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        if specs is not _NOT_GIVEN:
+            like = like_from_specs(path, specs, "load")
+        return run(path, like, partial=partial, verify=verify)

@@ -130,11 +130,14 @@ def _listing(entries: list[Path]) -> str:
     return shown if len(names) <= _SHOWN else f"{shown} and {len(names) - _SHOWN} more"
 
 
-def check_target(path: Path, fn: str) -> None:
+def check_target(path: Path, fn: str, ours: tuple[str, ...] = ()) -> None:
     """Raise unless ``path`` may be replaced by a checkpoint: it does not exist, or is a
     directory each of whose entries is a file pshard or DCP writes (``.metadata`` that parses
     as DCP's metadata, ``__<rank>_<n>.distcp``, ``pshard.json`` that is a manifest,
     ``.metadata.tmp``): an empty directory or a checkpoint, never one holding anything else.
+
+    ``ours``: names of files this save writes too (a model's ``config.json``), which it may
+    replace.
 
     Raises:
         ValueError: ``path`` is a file, or a directory holding something else (each such
@@ -144,7 +147,10 @@ def check_target(path: Path, fn: str) -> None:
         return
     if not path.is_dir():
         raise ValueError(f"{fn}: {str(path)!r} exists and is not a directory")
-    foreign = sorted((e for e in path.iterdir() if not _written(e)), key=lambda e: e.name)
+    foreign = sorted(
+        (e for e in path.iterdir() if not _written(e) and not (e.name in ours and e.is_file())),
+        key=lambda e: e.name,
+    )
     if not foreign:
         return
     metadata, index = path / DCP_METADATA, path / HF_INDEX
@@ -296,7 +302,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def switch(aside: Path, path: Path, fn: str) -> None:
+def switch(aside: Path, path: Path, fn: str, ours: tuple[str, ...] = ()) -> None:
     """Make the complete checkpoint in ``aside`` the one at ``path`` in one atomic step, then
     delete the previous one (see the module docstring).
 
@@ -307,7 +313,7 @@ def switch(aside: Path, path: Path, fn: str) -> None:
             directories nor was the checkpoint there written as a symlink (the new checkpoint
             stays at ``aside``; nothing at ``path`` changed).
     """
-    check_target(path, fn)
+    check_target(path, fn, ours)
     _fsync_dir(aside)
     if path.is_symlink():
         _link(aside, path)

@@ -426,7 +426,8 @@ def init_sharded(
 
     Args:
         module: the module, usually built on the meta device
-            (``with torch.device("meta"): model = Model(config)``); it is not modified.
+            (``with torch.device("meta"): model = Model(config)``); its parameters are not
+            modified (its meta buffers are computed, below).
         specs: a prefix tree of the dict of parameters by name (one spec for all, or
             ``{name: spec}``): ``P(...)`` over the mesh axes, ``None`` / ``Replicate()``
             (replicated), or ``Shard(d)``.
@@ -436,7 +437,10 @@ def init_sharded(
     Returns:
         ``{name: GlobalTensor}`` for the parameters (tied ones once, under their first name,
         as ``named_parameters()``), in the parameters' dtypes, on the mesh's device type.
-        Buffers are not drawn (compute them as the module does).
+        Buffers are not drawn: the module's own initialiser computes those on the meta
+        device (a rotary embedding's ``inv_freq``, a norm's running statistics) into real
+        tensors on the mesh's device type, put in the module in place of the meta ones (the
+        only change to ``module``; ranks that share the module compute them once).
 
     Raises:
         ValueError: a spec that does not fit (naming the parameter), or an initialiser that
@@ -477,4 +481,52 @@ def init_sharded(
         meta = GlobalMeta(spec, key, shape, mesh)
         block = _draw_block(name, ops, dtype, shape, block_runs(meta, coord), seed, device)
         out[name] = GlobalTensor(block, meta)
+    _materialise_buffers(module, device)
     return out
+
+
+def _materialise_buffers(module: nn.Module, device: torch.device) -> None:
+    """The module's buffers on the meta device computed by its own initialiser (a rotary
+    embedding's ``inv_freq``, a norm's running statistics) into real tensors on ``device``,
+    put in place of the meta ones; those it does not write wholly stay on the meta device
+    (``sharded_call`` names them). The parameters are meta tensors meanwhile: nothing whole."""
+    buffers = [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b.is_meta]
+    if not buffers:
+        return
+    real = {n: _unwritten(b, device) for n, b in buffers}
+    params = {
+        n: make_subclass(_StandIn, torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"))
+        for n, p in module.named_parameters(remove_duplicate=False)
+    }
+    which, run = _initializer(module)
+    with _SWAPPING, reparametrized(module, {**params, **real}), torch.no_grad():
+        try:
+            run()
+        except Exception:  # an initialiser that reads its parameters' values: no buffers
+            return
+    for name, t in real.items():
+        if not _written_whole(t):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix) if prefix else module
+        current = owner._buffers.get(leaf)
+        if current is not None and current.is_meta:
+            owner._buffers[leaf] = t
+
+
+def _unwritten(b: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor of ``b``'s shape and dtype, filled with what a write would replace."""
+    t = torch.empty(tuple(b.shape), dtype=b.dtype, device=device)
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(False)
+    return t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _written_whole(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return not bool(torch.isnan(t).any())
+    if t.dtype == torch.bool:
+        return True
+    return not bool((t == torch.iinfo(t.dtype).min).any())

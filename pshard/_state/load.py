@@ -33,6 +33,8 @@ from .._core.global_tensor import (
     is_global,
     mesh_key,
 )
+from .._core.placements import P, Replicate
+from .._core.specs import broadcast_prefix_flat
 from .._core.tree import article, describe, keystr, tree_flatten_with_path, tree_unflatten
 from .._runtime.mesh import current_mesh
 from .._runtime.wire import Comm
@@ -52,7 +54,7 @@ from .read import Checkpoint, open_checkpoint, read_checkpoint, reopened
 from .records import is_state_leaf, nearest_spec, target_path
 from .rng import RngState
 
-__all__ = ["load", "load_metadata"]
+__all__ = ["like_from_specs", "load", "load_metadata"]
 
 
 def _world() -> tuple[int, int]:
@@ -311,4 +313,35 @@ def load(
             out.append(r.rng_for(rank, world, f"{fn} {here}"))
         else:
             out.append(None)
+    return tree_unflatten(treedef, out)
+
+
+def like_from_specs(path: str | os.PathLike[str], specs: Any, fn: str) -> Any:
+    """The tree saved at ``path`` (:func:`load_metadata`) with each tensor asked for in the
+    layout ``specs`` gives it (a prefix tree of the saved tree: a ``P`` over the current
+    mesh's axes, ``Replicate()`` for ``P()``, ``None`` for the whole tensor).
+
+    Raises:
+        ValueError: ``specs`` is not a prefix of the saved tree (naming the key path).
+        TypeError: a spec leaf of another kind (naming the key path).
+    """
+    meta = load_metadata(path)
+    accessors, leaves, treedef = tree_flatten_with_path(
+        meta, is_leaf=is_state_leaf, none_is_leaf=True
+    )
+    wanted = broadcast_prefix_flat(specs, treedef, leaves, name="specs", fn_name=fn)
+    out = []
+    for accessor, x, spec in zip(accessors, leaves, wanted, strict=True):
+        if not isinstance(x, SavedTensor):
+            out.append(x)
+            continue
+        if isinstance(spec, Replicate):
+            spec = P()
+        if spec is not None and not isinstance(spec, P):
+            raise TypeError(
+                f"{fn} {keystr(accessor, 'specs')}: {describe(spec)} is not a layout to load "
+                f"into; give a P over the mesh axes (P('dp'), P(None, 'tp')), Replicate() or "
+                f"None (the whole tensor)"
+            )
+        out.append(dataclasses.replace(x, spec=spec))
     return tree_unflatten(treedef, out)

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from .._core.global_tensor import GlobalTensor
 from .._core.tree import describe, tree_flatten_with_path
+from .._modules.adapter import config_file
 from .._runtime.threads import exchange_store
 from .._runtime.turns import in_background
 from .._shard_map.global_ops import reshard, to_dtensor
@@ -76,6 +77,7 @@ def save(
     *,
     async_save: bool = False,
     format: Literal["dcp", "huggingface"] = "dcp",
+    config: Any = None,
 ) -> Future[None] | None:
     """The body of :func:`pshard.save` (see :mod:`pshard._state.api` for the whole contract)."""
     fn = "save"
@@ -87,10 +89,11 @@ def save(
             f"{fn}: format must be 'dcp' (pshard's checkpoints) or 'huggingface' (a model's "
             f"weights as safetensors that from_pretrained loads), got {format!r}"
         )
+    extra = _config_file(config, format, fn)
     comm = default_comm()
     locks: list[SaveLock] = []  # rank 0's, from the first step to the switch
     try:
-        job, aside = _prepare(target, tree, comm, fn, async_save, format, locks)
+        job, aside = _prepare(target, tree, comm, fn, async_save, format, locks, extra)
         if not async_save:
             job(comm)
             return None
@@ -128,6 +131,24 @@ def _in_background(
     return in_background(run, name="pshard-save")
 
 
+def _config_file(config: Any, format: str, fn: str) -> tuple[str, str] | None:
+    """The file ``config`` is written as beside a Hugging Face checkpoint's weights."""
+    if config is None:
+        return None
+    if format != "huggingface":
+        raise TypeError(
+            f"{fn}: config= is written beside a model's weights in format='huggingface' (what "
+            f"from_pretrained reads); a DCP checkpoint keeps values in its tree: put them there"
+        )
+    found = config_file(config)
+    if found is None:
+        raise TypeError(
+            f"{fn}: config is {describe(config)}, which no registered model family writes; "
+            f"pass the model's config (model.config of a Hugging Face model)"
+        )
+    return found
+
+
 def _prepare(
     target: Path,
     tree: Any,
@@ -136,6 +157,7 @@ def _prepare(
     async_save: bool,
     format: str,
     locks: list[SaveLock],
+    extra: tuple[str, str] | None = None,
 ) -> tuple[Callable[[Comm], None], Path]:
     """Agree with the other ranks on the tree (rank 0 takes the save lock), lay out what each
     rank writes (copies of the tensors for an async save) and check that every rank could;
@@ -168,7 +190,7 @@ def _prepare(
     def decide(proposals: list[Proposal]) -> list[str]:
         compare(proposals, fn)
         check_copies(proposals, records, fn)
-        check_target(target, fn)
+        check_target(target, fn, ours=() if extra is None else (extra[0],))
         remove_stale(target)
         states = [iter(p.rng) for p in proposals]
         leaves_out = tuple(
@@ -210,13 +232,19 @@ def _prepare(
     def commit(sums: list[ChunkSum]) -> None:
         if format == "huggingface":
             remove_sharded(aside)
+            if extra is not None:  # the model's config beside its weights
+                name, text = extra
+                with open(aside / name, "w", encoding="utf-8") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
         else:
             text = dataclasses.replace(manifest[0], sums=tuple(sums)).to_json()
             with open(aside / MANIFEST, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-        switch(aside, target, fn)
+        switch(aside, target, fn, () if extra is None else (extra[0],))
 
     def job(job_comm: Comm) -> None:
         if format == "huggingface":

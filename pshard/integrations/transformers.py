@@ -274,6 +274,14 @@ class TransformersAdapter:
 
     # ------------------------------------------------------------- init_sharded
 
+    def config_file(self, config: Any) -> tuple[str, str] | None:
+        """``config.json`` of a ``PretrainedConfig``, as ``save_pretrained`` writes it."""
+        transformers = sys.modules.get("transformers")
+        base = getattr(transformers, "PretrainedConfig", None)
+        if base is None or not isinstance(config, base):
+            return None
+        return "config.json", config.to_json_string(use_diff=True)
+
     def prepare_tracing(self) -> None:
         """transformers skips its checks on values (``if (mask == 1).all():``) when it sees it
         is being traced: a fake tensor among them. Under ``torch.func`` the tensors it sees are
