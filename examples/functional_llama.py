@@ -124,7 +124,7 @@ def skeleton(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     model = model.to(dtype).train()
     # every decoder layer's checkpoint function is ps.checkpoint (torch.utils.checkpoint cannot
     # run under torch.func): the layer keeps its input and is recomputed in the backward
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ps.checkpoint)
+    ps.checkpoint_layers(model)
     return model
 
 

@@ -35,6 +35,7 @@ from ._microbatch.batch_dim import infer_out_specs as infer_out_specs
 from ._microbatch.merge import merge as merge
 from ._microbatch.pmap import pmap_microbatch as pmap_microbatch
 from ._microbatch.split import split as split
+from ._modules.layers import checkpoint_layers as checkpoint_layers
 from ._pipeline.forward import pipeline as pipeline
 from ._pipeline.schedule import PipelineSchedule as PipelineSchedule
 from ._pipeline.schedule import pipeline_schedule as pipeline_schedule
@@ -95,6 +96,7 @@ __all__ = [
     "load_metadata",
     "load",
     "remat",
+    "checkpoint_layers",
     "checkpoint_policies",
     "checkpoint_name",
     "checkpoint",

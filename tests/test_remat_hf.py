@@ -5,7 +5,6 @@ a tiny LlamaForCausalLM from a config, random weights, nothing downloaded)."""
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Any
 
 import pytest
@@ -14,7 +13,6 @@ from torch.func import functional_call, grad
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pshard as ps
-from pshard._remat.checkpoint import checkpoint
 from pshard._remat.policies import checkpoint_policies as cp
 
 transformers = pytest.importorskip("transformers")
@@ -65,9 +63,7 @@ def test_llama_gradient_checkpointing_under_torch_func_grad(policy: Any) -> None
     plain = _llama()
     model = _llama()
     # the one line: every decoder layer's checkpoint function is ps.checkpoint
-    model._set_gradient_checkpointing(
-        enable=True, gradient_checkpointing_func=functools.partial(checkpoint, policy=policy)
-    )
+    ps.checkpoint_layers(model, policy=policy)
     params = {k: v.detach() for k, v in plain.named_parameters()}
     ids = torch.randint(0, V, (2, 9))
     want = grad(_loss(plain, ids))(params)
@@ -88,7 +84,7 @@ def test_llama_gradient_checkpointing_under_torch_func_grad(policy: Any) -> None
 def test_llama_gradient_checkpointing_under_backward() -> None:
     plain = _llama(2)
     model = _llama(2)
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
+    ps.checkpoint_layers(model)
     ids = torch.randint(0, V, (2, 7))
     plain(ids, labels=ids, use_cache=False).loss.backward()
     model(ids, labels=ids, use_cache=False).loss.backward()
@@ -126,7 +122,7 @@ def test_gpt2_with_dropout_in_sharded_call_units() -> None:
         return grad(loss)(params), torch.get_rng_state()
 
     want, state = step(lambda p: functional_call(model, p, (ids,), kwargs).loss, whole)
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
+    ps.checkpoint_layers(model)
     params = ps.shard(whole, ps.P("dp"))
     got, after = step(lambda p: ps.sharded_call(model, p, (ids,), kwargs).loss, params)
     assert got.keys() == want.keys()
@@ -163,7 +159,7 @@ def test_moe_router_gradients_through_checkpointed_layers() -> None:
     gradient reaches the routers, as without checkpoints (it was silently dropped)."""
     plain = _mixtral()
     model = _mixtral()
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
+    ps.checkpoint_layers(model)
     params = {k: v.detach() for k, v in plain.named_parameters()}
     ids = torch.randint(0, V, (2, 9))
     kwargs = {"labels": ids, "use_cache": False}
@@ -192,3 +188,12 @@ def test_moe_router_gradients_through_checkpointed_layers() -> None:
     model(ids, **kwargs).loss.backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_checkpoint_layers_refuses_what_it_does_not_know() -> None:
+    import re
+
+    with pytest.raises(TypeError, match=re.escape("checkpoint_layers: no registered model family")):
+        ps.checkpoint_layers(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="ps.checkpoint_layers"):
+        ps.checkpoint_layers(_llama(1), policy="dots")

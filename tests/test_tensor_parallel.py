@@ -233,7 +233,7 @@ def _backward_worker(kind: str) -> dict:
     ps.init_mesh({"tp": 2})
     model = build(kind)
     # every decoder layer checkpointed: recomputed in the backward, after the block exited
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ps.checkpoint)
+    ps.checkpoint_layers(model)
     params = _whole(model)
     blocks = ps.shard(params, ps.tensor_parallel_specs(model))
     leaves = {
@@ -302,7 +302,7 @@ def _sequence_worker(kind: str, checkpoint: bool = False) -> dict:
     ps.init_mesh({"tp": 2})
     model = build(kind)
     if checkpoint:
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ps.checkpoint)
+        ps.checkpoint_layers(model)
     plan = ps.tensor_parallel_plan(model, sequence_parallel=True)
     blocks = ps.shard(_whole(model), ps.tensor_parallel_specs(model, plan))
     b = batch("padded")

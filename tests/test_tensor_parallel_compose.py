@@ -69,7 +69,7 @@ def _loss_fn(model: torch.nn.Module, specs: dict, b: dict, count: torch.Tensor, 
 def _compose_worker(mesh: dict[str, int], how: str, mode: str) -> dict:
     ps.init_mesh(mesh)
     model = build("llama")
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ps.checkpoint)
+    ps.checkpoint_layers(model)
     b = batch("packed")
     count = (b["labels"][:, 1:] != -100).sum()
     specs = fsdp_specs(model, ps.tensor_parallel_specs(model), how)

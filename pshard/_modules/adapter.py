@@ -48,6 +48,7 @@ __all__ = [
     "ConfigPart",
     "ModelAdapter",
     "InitializerPart",
+    "LayersPart",
     "TensorParallelParts",
     "PreparedCall",
     "Reduce",
@@ -55,6 +56,7 @@ __all__ = [
     "config_file",
     "find_adapter",
     "initializer_part",
+    "layers_part",
     "prepare_tracing",
     "register_adapter",
     "registered_adapters",
@@ -216,6 +218,18 @@ class TracingPart(Protocol):
 
 
 @runtime_checkable
+class LayersPart(Protocol):
+    """What ``ps.checkpoint_layers`` needs of one family: the model's own checkpointing of its
+    layers pointed at a function."""
+
+    def checkpoint_layers(self, model: nn.Module, fn: Callable[..., Any]) -> bool:
+        """Make each of ``model``'s layers (those its own gradient checkpointing wraps) run
+        through ``fn`` (called as ``torch.utils.checkpoint.checkpoint`` is: ``fn(layer_call,
+        *args)``); ``False`` for a model the family cannot do it for."""
+        ...
+
+
+@runtime_checkable
 class ConfigPart(Protocol):
     """What ``ps.save(..., format="huggingface", config=...)`` needs of one family."""
 
@@ -282,4 +296,13 @@ def config_file(config: Any) -> tuple[str, str] | None:
             found = adapter.config_file(config)
             if found is not None:
                 return found
+    return None
+
+
+def layers_part(model: nn.Module) -> LayersPart | None:
+    """The layers part of the adapter of ``model``'s family (the latest registered that
+    matches and has one), or ``None``."""
+    for adapter in reversed(_ADAPTERS.values()):
+        if isinstance(adapter, LayersPart) and adapter.matches(model):
+            return adapter
     return None

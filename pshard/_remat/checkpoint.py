@@ -149,8 +149,7 @@ def checkpoint(fn: Any = None, /, *args: Any, policy: Any = None, **kwargs: Any)
     Called with arguments after ``fn`` it calls at once, as ``torch.utils.checkpoint`` does:
     ``checkpoint(fn, *args, **kwargs)`` is ``checkpoint(fn)(*args, **kwargs)``, which is how
     Hugging Face calls its checkpoint function; point a model's gradient checkpointing at it
-    with ``model._set_gradient_checkpointing(enable=True,
-    gradient_checkpointing_func=ps.checkpoint)``.
+    with :func:`pshard.checkpoint_layers` (``ps.checkpoint_layers(model, policy=...)``).
 
     Args:
         fn: the function (or ``nn.Module``) to checkpoint. Omitted, ``checkpoint(policy=...)``

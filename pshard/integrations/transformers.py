@@ -274,6 +274,16 @@ class TransformersAdapter:
 
     # ------------------------------------------------------------- init_sharded
 
+    def checkpoint_layers(self, model: nn.Module, fn: Callable[..., Any]) -> bool:
+        """The model's gradient checkpointing (its decoder layers' ``GradientCheckpointingLayer``
+        call) through ``fn``: ``_set_gradient_checkpointing``, the hook transformers' own
+        ``activation_checkpointing_enable`` sets ``torch.utils.checkpoint`` with."""
+        setter = getattr(model, "_set_gradient_checkpointing", None)
+        if not getattr(model, "supports_gradient_checkpointing", False) or not callable(setter):
+            return False
+        setter(enable=True, gradient_checkpointing_func=fn)
+        return True
+
     def config_file(self, config: Any) -> tuple[str, str] | None:
         """``config.json`` of a ``PretrainedConfig``, as ``save_pretrained`` writes it."""
         transformers = sys.modules.get("transformers")
