@@ -216,21 +216,48 @@ def test_a_missing_data_file_is_named(tmp_path: Path) -> None:
         load(path, _like())
 
 
-def test_every_chunk_has_its_checksum_in_the_manifest(tmp_path: Path) -> None:
-    """One CRC-32 per chunk DCP stored, of the bytes it stored; DCP's files are DCP's own."""
+@pytest.mark.parametrize("checksum", ["crc32c", "crc32"])
+def test_every_chunk_has_its_checksum_in_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checksum: str
+) -> None:
+    """One checksum per chunk DCP stored, of the bytes it stored: CRC-32C where the crc32c
+    package computes it in hardware, else zlib's CRC-32 (a process without the package, and
+    the checkpoints saved before CRC-32C: both load and are verified)."""
+    crc32c = pytest.importorskip("crc32c")
+    import pshard._state.checksums as checksums
+
+    if checksum == "crc32":  # a process without the package
+        monkeypatch.setattr(checksums, "_crc32c", lambda: None)
     path = _ckpt(tmp_path)
     save(path, _state(3))
     manifest = json.loads((Path(path) / MANIFEST).read_text())
-    assert manifest["checksum"] == "crc32"
+    assert manifest["checksum"] == checksum
     md = read_dcp_metadata(path)
     want = {}
+    of = zlib.crc32 if checksum == "crc32" else crc32c.crc32c
     for index, info in md.storage_data.items():
         data = (Path(path) / info.relative_path).read_bytes()[
             info.offset : info.offset + info.length
         ]
-        want[(index.fqn, tuple(index.offset))] = f"{zlib.crc32(data):08x}"
+        want[(index.fqn, tuple(index.offset))] = f"{of(data):08x}"
     assert {(k, tuple(o)): c for k, o, c in manifest["chunks"]} == want
     assert manifest["save_id"] == md.storage_meta.save_id
+    monkeypatch.undo()
+    assert torch.equal(load(path, _like())["b"], torch.full((3,), 3.0))  # verified either way
+
+
+def test_a_crc32c_checkpoint_without_the_package_names_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("crc32c")
+    import pshard._state.checksums as checksums
+
+    path = _ckpt(tmp_path)
+    save(path, _state(2))
+    monkeypatch.setattr(checksums, "_crc32c", lambda: None)
+    with pytest.raises(ValueError, match=re.escape("install the 'crc32c' package")):
+        load(path, _like())
+    assert torch.equal(load(path, _like(), verify=False)["b"], torch.full((3,), 2.0))
 
 
 # --------------------------------------------------------------------------- what is missing

@@ -28,10 +28,10 @@ from optree import PyTreeAccessor, PyTreeKind, PyTreeSpec
 
 from .._core.placements import P
 from .._core.tree import keystr
+from .checksums import ALGORITHMS, CRC32
 from .rng import RngState
 
 __all__ = [
-    "CHECKSUM",
     "FORMAT",
     "MANIFEST",
     "SAVE_ID_PREFIX",
@@ -197,12 +197,10 @@ class LeafRecord:
         )
 
 
-#: A saved chunk's checksum: its DCP key, its offsets in the global tensor and the CRC-32 of
-#: the bytes DCP stored for it (its ``torch.save`` record in the rank's ``.distcp`` file).
+#: A saved chunk's checksum: its DCP key, its offsets in the global tensor and the checksum
+#: (:mod:`pshard._state.checksums`) of the bytes DCP stored for it (its ``torch.save`` record in
+#: the rank's ``.distcp`` file).
 ChunkSum = tuple[str, tuple[int, ...], int]
-
-#: The checksum the manifest's ``chunks`` hold (``zlib.crc32``).
-CHECKSUM = "crc32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +217,7 @@ class Manifest:
     leaves: tuple[LeafRecord, ...]
     save_id: str | None = None
     sums: tuple[ChunkSum, ...] = ()
+    checksum: str = CRC32  # what ``sums`` hold (pshard._state.checksums)
 
     def to_json(self) -> str:
         """The manifest as JSON text: one line per field, one per leaf and one per chunk."""
@@ -230,7 +229,7 @@ class Manifest:
         leaves = ",\n  ".join(json.dumps(leaf.to_json(), allow_nan=False) for leaf in self.leaves)
         lines.append(f'"leaves": [\n  {leaves}\n ]' if self.leaves else '"leaves": []')
         if self.sums:
-            lines.append(f'"checksum": {json.dumps(CHECKSUM)}')
+            lines.append(f'"checksum": {json.dumps(self.checksum)}')
             chunks = ",\n  ".join(
                 json.dumps([key, list(offsets), f"{crc:08x}"]) for key, offsets, crc in self.sums
             )
@@ -238,7 +237,7 @@ class Manifest:
         return "{\n " + ",\n ".join(lines) + "\n}\n"
 
     def checksums(self) -> dict[tuple[str, tuple[int, ...]], int]:
-        """``(key, chunk offsets) -> CRC-32`` of every saved chunk."""
+        """``(key, chunk offsets) -> checksum`` of every saved chunk (:attr:`checksum`)."""
         return {(key, offsets): crc for key, offsets, crc in self.sums}
 
     @classmethod
@@ -261,16 +260,17 @@ class Manifest:
             if save_id is not None and not isinstance(save_id, str):
                 raise ValueError(f"save_id {save_id!r} is not a str")
             sums: tuple[ChunkSum, ...] = ()
+            checksum = data.get("checksum", CRC32)
             if "chunks" in data:
-                if data.get("checksum") != CHECKSUM:
+                if checksum not in ALGORITHMS:
                     raise ValueError(
-                        f"checksum {data.get('checksum')!r}; this pshard checks {CHECKSUM!r}"
+                        f"checksum {checksum!r}; this pshard checks {' or '.join(ALGORITHMS)}"
                     )
                 sums = tuple(
                     (str(key), tuple(int(i) for i in offsets), int(crc, 16))
                     for key, offsets, crc in data["chunks"]
                 )
-            return cls(int(data["world_size"]), data["tree"], leaves, save_id, sums)
+            return cls(int(data["world_size"]), data["tree"], leaves, save_id, sums, checksum)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{source}: not a pshard manifest ({type(e).__name__}: {e})") from None
 

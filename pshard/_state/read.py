@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .._runtime.wire import Comm, all_gather
+from .checksums import CRC32
 from .hf import HF_INDEX, HF_SINGLE, HFReader, is_hf, open_hf
 from .manifest import MANIFEST, SAVE_ID_PREFIX, LeafRecord, Manifest
 from .opened import OpenedCheckpoint, Replaced
@@ -265,7 +266,8 @@ def _plan(
     if ckpt.format == "huggingface":
         reader = HFReader(opened, ckpt.where, fn)
     else:
-        reader = CheckpointReader(opened, sums, ckpt.where, fn)
+        checksum = ckpt.manifest.checksum if ckpt.manifest is not None else CRC32
+        reader = CheckpointReader(opened, sums, ckpt.where, fn, checksum)
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state_dict, ckpt.dcp, is_coordinator=True)
     reader.set_up_storage_reader(ckpt.dcp, True, rank=0, use_collectives=True)

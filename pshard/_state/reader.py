@@ -8,7 +8,8 @@ else in the file is refused (``pickle.UnpicklingError``). Tensor data is read as
 with ``torch.load(weights_only=True)``, through an
 :class:`~pshard._state.opened.OpenedCheckpoint` (files opened once, relative to one open
 directory), and checked: every chunk's bytes all there (a truncated file is named) and, with
-the manifest's checksums, their CRC-32 (:func:`file_checksum`) the one recorded at the save.
+the manifest's checksums, their checksum (:func:`pshard._state.checksums.file_checksum`) the one
+recorded at the save.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import errno
 import io
 import os
 import pickle
-import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,12 +32,12 @@ from torch.futures import Future
 
 from .._compat import dcp_metadata_classes
 from .._core.tree import describe
+from .checksums import CRC32, file_checksum
 from .opened import OpenedCheckpoint
 
 __all__ = [
     "DCP_METADATA",
     "CheckpointReader",
-    "file_checksum",
     "parse_dcp_metadata",
     "read_dcp_metadata",
 ]
@@ -102,25 +102,6 @@ def parse_dcp_metadata(data: bytes, source: str) -> Metadata:
     return metadata
 
 
-_BUFFER = 1 << 24  # bytes read at a time where a chunk is read in pieces
-
-
-def file_checksum(fd: int, start: int, length: int) -> int | None:
-    """The CRC-32 (``zlib.crc32``) of the ``length`` bytes of the file ``fd`` from ``start``,
-    the checksum of a saved chunk (read in pieces of 1 MiB); ``None`` where the file ends
-    first."""
-    buffer = bytearray(min(_BUFFER, max(length, 1)))
-    view = memoryview(buffer)
-    crc, done = 0, 0
-    while done < length:
-        n = os.preadv(fd, [view[: min(len(buffer), length - done)]], start + done)
-        if n == 0:
-            return None
-        crc = zlib.crc32(view[:n], crc)
-        done += n
-    return crc
-
-
 class _FileView(io.RawIOBase):
     """The bytes ``[start, start + length)`` of the file ``fd`` as a file of their own, read
     with ``os.preadv`` straight into the caller's buffer (torch reads a tensor's bytes into its
@@ -154,12 +135,16 @@ class _FileView(io.RawIOBase):
         return got
 
 
+_BUFFER = 1 << 24  # bytes read at a time where a chunk is read in pieces
+
+
 class CheckpointReader(FileSystemReader):
     """DCP's ``FileSystemReader`` reading through an :class:`OpenedCheckpoint` and checking
     every chunk it reads: its bytes are all there (a truncated file is an error naming the
     file, the key and the checkpoint) and, with ``sums`` (from the manifest: ``(key, chunk
-    offsets) -> CRC-32``), their checksum is the one recorded at the save. ``where`` names the
-    checkpoint (the user's path) and ``fn`` the caller in errors.
+    offsets) -> checksum``, of the kind ``checksum`` names), their checksum is the one recorded
+    at the save. ``where`` names the checkpoint (the user's path) and ``fn`` the caller in
+    errors.
     """
 
     def __init__(
@@ -168,10 +153,12 @@ class CheckpointReader(FileSystemReader):
         sums: Mapping[tuple[str, tuple[int, ...]], int] | None,
         where: str,
         fn: str,
+        checksum: str = CRC32,
     ) -> None:
         super().__init__(opened.path)
         self._opened = opened
         self._sums = sums
+        self._checksum = checksum
         self._where = where
         self._fn = fn
 
@@ -212,7 +199,7 @@ class CheckpointReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read ``plan``'s items, checked (see the class docstring), in file order: torch reads
         each chunk from the file into its tensor's memory while a second thread reads the same
-        bytes for their checksum (``os.pread`` and ``zlib.crc32`` release the GIL); the
+        bytes for their checksum (``os.pread`` and the checksums release the GIL); the
         checksums are compared before this returns."""
         self.open_files(plan)
         items = sorted(
@@ -293,7 +280,7 @@ class CheckpointReader(FileSystemReader):
         if want is None:
             raise ValueError(self._damaged(index, info, "the manifest records no checksum for it"))
         fd, start, length = self._opened.fd(info.relative_path), int(info.offset), int(info.length)
-        got = file_checksum(fd, start, length)
+        got = file_checksum(fd, start, length, self._checksum, self._fn)
         if got is None:
             raise ValueError(self._damaged(index, info, "the file ends before it"))
         if got != want:

@@ -200,6 +200,7 @@ class Proposal:
     leaves: tuple[str, ...]  # each leaf's record as JSON, without RNG states
     rng: tuple[RngState, ...]  # this rank's, one per RNG leaf
     copies: tuple[Copy | None, ...] = ()  # per leaf: the block this rank holds a copy of
+    checksum: str = "crc32"  # the checksum this rank computes fastest (pshard._state.checksums)
 
 
 #: A rank's copy of a value several ranks hold (written once): which block (its coordinates on

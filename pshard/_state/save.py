@@ -47,6 +47,7 @@ from .atomic import (
     store_path,
     switch,
 )
+from .checksums import CRC32, CRC32C, preferred
 from .comm import Comm, GroupComm, LocalComm, StoreComm, agree, default_comm
 from .hf import HFWriter, check_hf_leaf, file_indices, remove_sharded
 from .manifest import MANIFEST, ChunkSum, LeafRecord, Manifest, encode_structure, key_path, save_id
@@ -185,9 +186,9 @@ def _prepare(
         texts = tuple(leaf_text(r) for r in records)
         rng = tuple(v for r, v in zip(records, values, strict=True) if r.kind == "rng")
         copies = tuple(copy_of(r, v, comm.size) for r, v in zip(records, values, strict=True))
-        return Proposal(str(target), structure, texts, rng, copies)
+        return Proposal(str(target), structure, texts, rng, copies, checksum=preferred())
 
-    def decide(proposals: list[Proposal]) -> list[str]:
+    def decide(proposals: list[Proposal]) -> list[tuple[str, str]]:
         compare(proposals, fn)
         check_copies(proposals, records, fn)
         check_target(target, fn, ours=() if extra is None else (extra[0],))
@@ -199,10 +200,12 @@ def _prepare(
         )
         structure = json.loads(proposals[0].structure)
         token = new_token()
+        # the fastest checksum every rank computes
+        checksum = CRC32C if all(p.checksum == CRC32C for p in proposals) else CRC32
         manifest.append(Manifest(comm.size, structure, leaves_out, save_id(token)))
-        return [token] * comm.size
+        return [(token, checksum)] * comm.size
 
-    token: str = agree(comm, fn, propose, decide)
+    token, checksum = agree(comm, fn, propose, decide)
     aside = aside_path(target, token)
     plan: dict[str, Any] = {}  # fqn -> what DCP plans from: DTensors and tensors of meta blocks
     data: dict[str, torch.Tensor] = {}  # fqn -> this rank's block or the whole tensor
@@ -239,7 +242,7 @@ def _prepare(
                     f.flush()
                     os.fsync(f.fileno())
         else:
-            text = dataclasses.replace(manifest[0], sums=tuple(sums)).to_json()
+            text = dataclasses.replace(manifest[0], sums=tuple(sums), checksum=checksum).to_json()
             with open(aside / MANIFEST, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
@@ -252,7 +255,8 @@ def _prepare(
             writer: FileSystemWriter = HFWriter(aside, target, save_id(token), files)
         else:
             writer = DCPWriter(aside, target, save_id(token))
-        checksums = format == "dcp"
-        write_checkpoint(plan, data, writer, target, job_comm, commit, checksums)
+        write_checkpoint(
+            plan, data, writer, target, job_comm, commit, checksum if format == "dcp" else None
+        )
 
     return job, aside

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .atomic import writable_error
+from .checksums import file_checksum
 from .comm import Comm, agree
 from .manifest import ChunkSum
-from .reader import file_checksum
 
 __all__ = ["DCPWriter", "chunk_sums", "write_checkpoint"]
 
@@ -61,7 +61,7 @@ class _Planner(DefaultSavePlanner):
         return self._data[index.fqn]
 
 
-def chunk_sums(directory: Path, results: list[WriteResult]) -> list[ChunkSum]:
+def chunk_sums(directory: Path, results: list[WriteResult], checksum: str) -> list[ChunkSum]:
     """The checksum of each chunk in ``results``, read back from the files in ``directory``
     (what is on disk, not what was meant to be)."""
     out: list[ChunkSum] = []
@@ -73,7 +73,7 @@ def chunk_sums(directory: Path, results: list[WriteResult]) -> list[ChunkSum]:
         try:
             for r in items:
                 info = r.storage_data
-                crc = file_checksum(fd, int(info.offset), int(info.length))
+                crc = file_checksum(fd, int(info.offset), int(info.length), checksum, "save")
                 if crc is None:
                     raise OSError(f"save: {str(directory / name)!r} is shorter than DCP wrote it")
                 offsets = tuple(int(i) for i in r.index.offset or ())
@@ -90,13 +90,13 @@ def write_checkpoint(
     final: Path,
     comm: Comm,
     commit: Callable[[list[ChunkSum]], None],
-    checksums: bool = True,
+    checksum: str | None = "crc32",
 ) -> None:
     """Write ``state_dict`` (fqn -> DTensor or tensor, for planning) with the data of ``data``
     (fqn -> this rank's block or whole tensor) through ``writer`` (a :class:`DCPWriter`, or
     the Hugging Face one, into the save's aside directory); then rank 0 runs ``commit`` with
-    every chunk's checksum (none without ``checksums``). Every rank returns, or every rank
-    raises.
+    every chunk's checksum of the kind ``checksum`` names (none when it is ``None``). Every
+    rank returns, or every rank raises.
 
     Raises:
         BaseException: this rank's own failure.
@@ -126,7 +126,7 @@ def write_checkpoint(
 
     def write_data() -> tuple[list[WriteResult], list[ChunkSum]]:
         results: list[WriteResult] = writer.write_data(planner.finish_plan(plan), planner).wait()
-        return results, chunk_sums(aside, results) if checksums else []
+        return results, chunk_sums(aside, results, checksum) if checksum is not None else []
 
     def finish(written: list[tuple[list[WriteResult], list[ChunkSum]]]) -> list[None]:
         writer.finish(metadata[0], [results for results, _ in written])
