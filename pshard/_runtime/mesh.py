@@ -9,8 +9,10 @@ rank's place in them never change), so a collective pays one dict lookup, not a 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import datetime
 import itertools
 import math
 import os
@@ -65,14 +67,38 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _creation_timeout() -> datetime.timedelta:
+    """How long the ranks of a torchrun job may take to join the process groups
+    (``PSHARD_INIT_TIMEOUT`` seconds, default 120): a rank that never comes is an error after
+    it, not a wait of torch's 30 minutes."""
+    text = os.environ.get("PSHARD_INIT_TIMEOUT", "120")
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(
+            f"init_mesh: PSHARD_INIT_TIMEOUT={text!r} is not a number of seconds"
+        ) from None
+    return datetime.timedelta(seconds=seconds)
+
+
 def _init_default_group(backend: str | None) -> None:
     """Initialise the default process group: torchrun's environment when present, else a
-    world of one process (an in-memory store, no network)."""
+    world of one process (an in-memory store, no network).
+
+    Under torchrun the keys of this attempt's groups live under a prefix of their own
+    (``TORCHELASTIC_RESTART_COUNT``): a restarted job's store may still hold the previous
+    attempt's (the addresses of ranks that are gone), which gloo would try to connect to."""
     backend = backend or _default_backend()
     if _torchrun():
         if backend == "nccl" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend=backend, init_method="env://")
+        timeout = _creation_timeout()
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"pshard/attempt-{attempt}/", store)
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
+        )
     else:
         if backend == "nccl":
             torch.cuda.set_device(0)
@@ -150,19 +176,57 @@ def init_mesh(shape: dict[str, int] | None = None, *, backend: str | None = None
             f"init_mesh: shape {shape} has {math.prod(shape.values())} ranks but the world has "
             f"{world}; make the sizes multiply to {world}"
         )
-    if not dist.is_initialized():
-        _init_default_group(backend)
-        created = True
+    joining = not dist.is_initialized() and _torchrun()  # ranks join over the network
     try:
+        if not dist.is_initialized():
+            _init_default_group(backend)
+            created = True
         mesh = init_device_mesh(
             _device_type(), tuple(shape.values()), mesh_dim_names=tuple(shape.keys())
         )
-    except BaseException:
+    except BaseException as e:
         if created:  # leave no half-made state behind
             dist.destroy_process_group()
+        if joining and isinstance(e, (RuntimeError, dist.DistError)) and _timed_out(e):
+            raise RuntimeError(
+                f"init_mesh: the {world} ranks of this torchrun job did not all join the process "
+                f"groups within {_creation_timeout().total_seconds():g} s: a rank was lost or "
+                f"never started (torchrun restarts the job when --max-restarts allows, each "
+                f"attempt's groups apart from the last's), or the ranks disagree on the world "
+                f"size; PSHARD_INIT_TIMEOUT sets the wait ({type(e).__name__}: {e})"
+            ) from e
         raise
+    if joining:  # the groups are made: their collectives get torch's usual time again
+        # and they are taken down when the process ends (a process exiting with its groups
+        # alive can abort in their threads' teardown: "terminate called without an active
+        # exception", after its work was done)
+        atexit.register(_destroy_at_exit)
+        regular = _regular_timeout(backend)
+        groups = [g for g in [dist.group.WORLD, *mesh.get_all_groups()] if g is not None]
+        for group in {id(g): g for g in groups}.values():
+            group.set_timeout(regular)
     _CURRENT_MESH.set(_Scope(mesh, {}))
     return mesh
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _timed_out(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(w in text for w in ("timed out", "timeout", "connectfullmesh", "connection refused"))
+
+
+def _regular_timeout(backend: str | None) -> datetime.timedelta:
+    """torch's default timeout of a process group's collectives for ``backend``."""
+    from torch.distributed import constants
+
+    if str(backend or dist.get_backend()).lower() == "nccl":
+        return constants.default_pg_nccl_timeout or constants.default_pg_timeout
+    return constants.default_pg_timeout
 
 
 def _torchrun() -> bool:
