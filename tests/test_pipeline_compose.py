@@ -249,3 +249,63 @@ def rank_tensor_parallel(schedule):
 def test_tensor_parallel_in_a_stage(pool, schedule):
     for loss_diff, grad_diff in pool.run(4, rank_tensor_parallel, schedule):
         assert loss_diff < 1e-12 and grad_diff < 1e-12
+
+
+def rank_dp_pp_tp():
+    """dp x pp x tp on 8 ranks, the documented pairs composed: the pipeline inside a map over
+    "dp" (each data rank its rows), each stage's parameters GlobalTensors on its "tp" ranks
+    (handed on by the map over "dp" as they are), the gradients summed over "dp" with ps.psum
+    (GlobalTensors on "tp" summed block by block) and clipped by the whole model's norm.
+    Both were refused: the map said the GlobalTensor was on another mesh, the psum that a map
+    hands a GlobalTensor on as it is."""
+    torch.set_default_dtype(f64)
+    mesh = ps.init_mesh({"dp": 2, "pp": 2, "tp": 2})
+    torch.manual_seed(0)
+    models = [_Mlp() for _ in range(2)]
+    mine = models[ps.axis_index("pp")]
+    specs = ps.tensor_parallel_specs(mine, _PLAN)
+    params = ps.shard({k: v.detach() for k, v in mine.named_parameters()}, specs,
+                      mesh=mesh["tp"])  # fmt: skip
+    x, t = _data(9)  # uneven over "dp"
+
+    def body(blocks, h):
+        with ps.tensor_parallel(mine, _PLAN):
+            return torch.func.functional_call(mine, blocks, (h,))
+
+    stage = ps.shard_map(body, mesh=mesh["tp"], in_specs=(specs, P()), out_specs=P())
+    step = ps.pipeline_value_and_grad(stage, sq_loss, num_microbatches=2)
+    clip = ps.optim.clip_by_global_norm(0.5)
+
+    def train(p, x, t):
+        loss, grads = step(p, x, t)
+        grads = ps.psum(grads, "dp")
+        return ps.psum(loss, "dp"), grads, ps.optim.global_norm(grads), clip.update(grads, ())[0]
+
+    mapped = ps.shard_map(
+        train, in_specs=(None, P("dp"), P("dp")), out_specs=(P(), P(), P(), P()),
+        axis_names="dp",
+    )  # fmt: skip
+    loss, grads, norm, clipped = mapped(params, x, t)
+    leaves = [{k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+              for m in models]  # fmt: skip
+    h = x
+    for m, p in zip(models, leaves, strict=True):
+        h = torch.func.functional_call(m, p, (h,))
+    ref = sq_loss(h, t)
+    ref.backward()
+    want = {k: v.grad for k, v in leaves[ps.axis_index("pp")].items()}
+    assert all(isinstance(g, ps.GlobalTensor) and g.meta == params[k].meta
+               for k, g in grads.items())  # fmt: skip
+    whole = sum(float((v.grad**2).sum()) for p in leaves for v in p.values()) ** 0.5
+    scaled = {k: w * min(1.0, 0.5 / whole) for k, w in want.items()}
+    return (
+        abs(loss.item() - ref.item()),
+        _diff(ps.gather(grads), want),
+        abs(norm.item() - whole),
+        _diff(ps.gather(clipped), scaled),
+    )
+
+
+def test_dp_pp_tp_on_8_ranks(pool):  # 8 thread ranks
+    for diffs in pool.run(8, rank_dp_pp_tp):
+        assert max(diffs) < 1e-12, diffs

@@ -26,7 +26,7 @@ import torch
 
 from .._compat import transforms_active
 from .._core.checks import check_int, normalize_dim
-from .._core.global_tensor import is_global
+from .._core.global_tensor import GlobalTensor, is_global
 from .._core.tree import describe, keystr, leaf_path, tree_flatten, tree_unflatten
 from .._runtime import stage_parts
 from .._runtime.debug import check_pytree
@@ -74,7 +74,11 @@ def _collective(name: str, x: torch.Tensor, c: _Comm, *params: Any) -> torch.Ten
 
 
 def _map_leaves(
-    fn: str, c: _Comm, x: Any, f: Callable[[torch.Tensor, Callable[[], str]], torch.Tensor]
+    fn: str,
+    c: _Comm,
+    x: Any,
+    f: Callable[[torch.Tensor, Callable[[], str]], torch.Tensor],
+    axis: Axis | None = None,
 ) -> Any:
     """Apply ``f(leaf, path)`` to every tensor leaf of ``x``; ``path()`` names the leaf (``x``,
     ``x['a'][0]``) for error messages. A leaf that is not a tensor is a ``TypeError``. In debug
@@ -90,8 +94,14 @@ def _map_leaves(
     def path(i: int) -> Callable[[], str]:
         return lambda: keystr(leaf_path(treedef, i), "x")
 
-    out = []
+    out: list[Any] = []
+    over = _axis_names(axis)
     for i, leaf in enumerate(leaves):
+        if is_global(leaf) and over and not set(over) & set(leaf.meta.key.names):
+            # laid out on other axes than this collective's (a stage's "tp" blocks summed
+            # over "dp"): the blocks are combined elementwise, the layout stays
+            out.append(GlobalTensor(f(leaf.local, path(i)), leaf.meta))
+            continue
         if is_global(leaf):
             split = [e for e in leaf.spec if e is not None]
             axes = ", ".join(repr(a) for e in split for a in ((e,) if isinstance(e, str) else e))
@@ -110,6 +120,15 @@ def _map_leaves(
             )
         out.append(f(leaf, path(i)))
     return tree_unflatten(treedef, out)
+
+
+def _axis_names(axis: Axis | None) -> tuple[str, ...]:
+    """The mesh-axis names of ``axis`` (none for a process group)."""
+    if isinstance(axis, str):
+        return (axis,)
+    if isinstance(axis, tuple) and all(isinstance(a, str) for a in axis):
+        return axis
+    return ()
 
 
 def _marked(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -150,7 +169,11 @@ def psum(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "psum")
     return _map_leaves(
-        "psum", c, x, lambda t, _: t if c.group is None else _marked(t, _collective("psum", t, c))
+        "psum",
+        c,
+        x,
+        lambda t, _: t if c.group is None else _marked(t, _collective("psum", t, c)),
+        axis,
     )
 
 
@@ -173,7 +196,7 @@ def pmean(x: T, axis: Axis) -> T:
         # one rank: the identity, but integer inputs still give a float mean
         return t if t.is_floating_point() or t.is_complex() else t / 1
 
-    return _map_leaves("pmean", c, x, one)
+    return _map_leaves("pmean", c, x, one, axis)
 
 
 def pmax(x: T, axis: Axis) -> T:
@@ -190,7 +213,11 @@ def pmax(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmax")
     return _map_leaves(
-        "pmax", c, x, lambda t, _: t if c.group is None else _collective("pextreme", t, c, "pmax")
+        "pmax",
+        c,
+        x,
+        lambda t, _: t if c.group is None else _collective("pextreme", t, c, "pmax"),
+        axis,
     )
 
 
@@ -205,7 +232,11 @@ def pmin(x: T, axis: Axis) -> T:
     """
     c = _comm(axis, "pmin")
     return _map_leaves(
-        "pmin", c, x, lambda t, _: t if c.group is None else _collective("pextreme", t, c, "pmin")
+        "pmin",
+        c,
+        x,
+        lambda t, _: t if c.group is None else _collective("pextreme", t, c, "pmin"),
+        axis,
     )
 
 

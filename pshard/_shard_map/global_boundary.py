@@ -5,7 +5,9 @@
   block (summed only over the mapped axes it is replicated on, as for any replicated input).
   Laid out otherwise, it is resharded (gathered over the axes that split it, then sliced as the
   spec asks; exact and differentiable). Sharded over axes the map does not map, it passes into
-  ``fn`` as a ``GlobalTensor`` over those axes (maps over different axes nest).
+  ``fn`` as a ``GlobalTensor`` over those axes (maps over different axes nest); one on a mesh
+  of other axes only (a pipeline stage's parameters on its ``"tp"`` ranks, in a map over
+  ``"dp"``) passes in as it is, replicated over the mapped axes.
 - :func:`exit_global`: a ``GlobalTensor`` returned by ``fn`` (the nested case) passes out.
 - :func:`sharded_outputs`: with ``gather_outputs=False``, the outputs whose spec splits them
   leave as ``GlobalTensor`` s, their global shapes learned in one exchange for the whole call.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -90,10 +93,60 @@ def _check_mesh(x: GlobalTensor, where: str, view: MeshView) -> None:
     check_block(x.local, x.meta, view, view.fn, where)
 
 
+def _foreign(x: GlobalTensor, view: MeshView) -> bool:
+    """Whether ``x`` is laid out on a sub-mesh of the map's mesh (this rank's slice of some of
+    its axes), none of whose axes the map maps: a pipeline stage's parameters on its own
+    ``"tp"`` ranks, inside a map over ``"dp"``."""
+    key = x.meta.key
+    if key == mesh_key(view.mesh) or set(key.names) & set(view.mapped):
+        return False
+    if any(view.sizes.get(n) != s for n, s in zip(key.names, key.sizes, strict=True)):
+        return False
+    here = view.mesh.get_coordinate()
+    mine = mesh_key(view.mesh).ranks[_flat_index(here, view)] if here is not None else None
+    return mine in key.ranks
+
+
+def _flat_index(coord: Sequence[int], view: MeshView) -> int:
+    """The row-major index of ``coord`` on the map's mesh."""
+    index = 0
+    for n, c in zip(view.names, coord, strict=True):
+        index = index * view.sizes[n] + c
+    return index
+
+
+def _hand_on(
+    x: GlobalTensor, spec: Placement | P, where: str, view: MeshView, check: bool
+) -> GlobalTensor:
+    """A ``GlobalTensor`` on a mesh of other axes than the mapped ones: it passes into ``fn``
+    as it is, replicated over the mapped axes (its cotangent summed over them, as any
+    replicated input's)."""
+    if as_spec(spec, x.ndim, where, view).axes:
+        raise ValueError(
+            f"{view.fn} {where}: a GlobalTensor on mesh {x.meta.key.text()} ({x.meta.spec!r}), "
+            f"none of whose axes this map maps ({view.mapped}), under the spec {spec!r}; the map "
+            f"hands it on as it is (the same on every rank of the mapped axes): give it None"
+        )
+    if not isinstance(x.local, torch.Tensor):
+        raise TypeError(f"{view.fn} {where}: the GlobalTensor's block is {describe(x.local)}")
+    check_unmodified(x, view.fn, where)
+    lay = block_layout(P(), x.ndim, where, view)
+    guard = None
+    if check and lay.rep is not None:
+        guard = (
+            lay.rep,
+            f"{view.fn} {lay.label}: check_rep: this GlobalTensor's blocks must be the same on "
+            f"the ranks of axes {view.axes_text(lay.rep.name.split(','))}, but they differ",
+        )
+    return GlobalTensor(ToBlock.apply(x.local, _block_only(lay), 1.0, guard), x.meta)
+
+
 def enter_global(
     x: GlobalTensor, spec: Placement | P, where: str, view: MeshView, check: bool
 ) -> Any:
     """What ``fn`` sees of the global input ``x`` under the spec leaf ``spec``."""
+    if _foreign(x, view):
+        return _hand_on(x, spec, where, view, check)
     _check_mesh(x, where, view)
     ndim = x.ndim
     want = as_spec(spec, ndim, where, view)
@@ -143,8 +196,10 @@ def enter_global(
 
 def exit_global(y: GlobalTensor, spec: Placement | P, where: str, view: MeshView) -> Any:
     """A ``GlobalTensor`` returned by ``fn``: it passes out when ``spec`` replicates it over
-    the mapped axes (its cotangent then comes back divided among them)."""
-    _check_mesh(y, where, view)
+    the mapped axes (its cotangent then comes back divided among them), also one on a mesh of
+    other axes than the mapped ones."""
+    if not _foreign(y, view):
+        _check_mesh(y, where, view)
     if as_spec(spec, y.ndim, where, view).axes or not isinstance(spec, (Replicate, P)):
         raise ValueError(
             f"{view.fn} {where}: fn returned a GlobalTensor ({y.meta.spec!r}) under the spec "
