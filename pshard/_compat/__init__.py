@@ -116,6 +116,9 @@ from .base import (
     outside_transforms as outside_transforms,
 )
 from .base import (
+    profiler_enabled as profiler_enabled,
+)
+from .base import (
     queue_backward_callback as queue_backward_callback,
 )
 from .base import (
@@ -257,6 +260,7 @@ __all__ = [
     "unseen_writes",
     "unwrap_dead",
     "unwrap_dead_tensor",
+    "profiler_enabled",
     "swap_contents",
     "symbolic_reference",
     "unwrap_level",

@@ -47,6 +47,7 @@ __all__ = [
     "outside_transforms",
     "queue_backward_callback",
     "register_torch_pytree",
+    "profiler_enabled",
     "reparametrized",
     "resolve_group",
     "storage_key",
@@ -385,6 +386,14 @@ def swap_contents(a: torch.Tensor, b: torch.Tensor) -> None:
             f"a {type(a).__qualname__} cannot take the place of a {type(b).__qualname__}"
         )
     torch._C._swap_tensor_impl(a, b)
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` (or ``torch.autograd.profiler``) records now, in this
+    thread or (``profile_all_threads``) in every thread of the process."""
+    import torch.autograd.profiler as profiler
+
+    return bool(profiler._is_profiler_enabled or torch.autograd._profiler_enabled())
 
 
 def use_count(t: torch.Tensor) -> int:

@@ -34,6 +34,7 @@ import torch
 
 from .._core.checks import WIRE_DTYPES
 from .._core.tree import describe
+from .._runtime.ranges import ranged
 from .schedule import Action, Message, PipelineSchedule, Step, rank_plan
 from .stage_call import Output, Pullback, StageParams, run_stage
 from .transport import NO_DATA, Inbox, Layout, Link, Outbox
@@ -168,15 +169,16 @@ class Executor:
                 for msg in ahead.recv:
                     if msg.src != self.link.rank:
                         self.inboxes[msg.src].post(msg.index, block=False)
-            kind = step.action.kind
-            if kind == "F":
-                self._forward(step)
-            elif kind == "B":
-                self._backward(step, inputs=True, weights=True)
-            elif kind == "I":
-                self._backward(step, inputs=True, weights=False)
-            else:
-                self._backward(step, inputs=False, weights=True)
+            a = step.action
+            with ranged(a.range_name):
+                if a.kind == "F":
+                    self._forward(step)
+                elif a.kind == "B":
+                    self._backward(step, inputs=True, weights=True)
+                elif a.kind == "I":
+                    self._backward(step, inputs=True, weights=False)
+                else:
+                    self._backward(step, inputs=False, weights=True)
         self.outbox.wait()
 
     def fail(self, kind: int, stage: int, text: str, exc: BaseException | None = None) -> None:

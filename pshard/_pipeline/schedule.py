@@ -75,6 +75,10 @@ class Action:
     def __str__(self) -> str:
         return f"{self.kind}(stage {self.stage}, microbatch {self.microbatch})"
 
+    def range_name(self) -> str:
+        """Its name in a profiler's trace: ``pshard.stage[1].mb[3].F``."""
+        return f"pshard.stage[{self.stage}].mb[{self.microbatch}].{self.kind}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Message:

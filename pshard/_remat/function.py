@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from pshard._core.tree import NAMESPACE, tree_flatten, tree_unflatten
 
 from .. import _compat as compat
+from .._runtime.ranges import ranged
 from . import modes
 from .escapes import Made, hand_over, untracked
 from .levels import (
@@ -340,8 +341,9 @@ class Call:
         finder = Made() if left else None
         token = NAMER.set(None)
         try:
-            with replayer, modes.restored(self.modes), finder or untracked():
-                out = self.body(xs)
+            with ranged(lambda: f"pshard.recompute[{self.name}]"):
+                with replayer, modes.restored(self.modes), finder or untracked():
+                    out = self.body(xs)
             flat, treedef = flatten(out)
             outs = [x for x in flat if isinstance(x, torch.Tensor)]
             meta = [(t.shape, t.dtype) for t in outs]

@@ -14,9 +14,10 @@ reliably faster (``benchmarks/collectives.py``).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,10 @@ import torch.distributed as dist
 from .._compat import constant_result, resolve_group
 from .debug import check_collective, debug_enabled, perm_code
 from .mesh import Axis, resolve_axis
+from .ranges import profiling, ranged
 from .turns import current_task
+
+T = TypeVar("T")
 
 __all__ = [
     "PAIRWISE_GATHER_BYTES",
@@ -135,6 +139,24 @@ def comm_at_run(key: str, size: int, rank: int, fn: str) -> Comm:
     return c
 
 
+def _ranged(op: str | None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A wire function as a profiler range ``pshard.<op>[<axis>]`` (``op`` None: the function's
+    third argument names it, ``all_reduce``'s ``"psum"``); free while no profiler runs."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def run(x: Any, c: Comm, *args: Any, **kwargs: Any) -> T:
+            if not profiling():
+                return fn(x, c, *args, **kwargs)
+            name = op if op is not None else args[0]
+            with torch.profiler.record_function(f"pshard.{name}[{c.name}]"):
+                return fn(x, c, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 def _peer(c: Comm, index: int) -> int:
     """The global rank of index ``index`` on the axis."""
     return _global(c.group, index if c.order is None else c.order[index])
@@ -157,6 +179,7 @@ def _by_group(blocks: torch.Tensor, c: Comm) -> torch.Tensor:
     return blocks.index_select(0, torch.tensor(inverse, device=blocks.device))
 
 
+@_ranged(None)
 def all_reduce(x: torch.Tensor, c: Comm, op: str) -> torch.Tensor:
     if c.debug:
         check_collective(op, c.group, c.name, x)
@@ -166,6 +189,7 @@ def all_reduce(x: torch.Tensor, c: Comm, op: str) -> torch.Tensor:
     return out
 
 
+@_ranged("all_gather")
 def all_gather(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
     if c.debug:
         check_collective("all_gather", c.group, c.name, x, (dim, int(tiled)))
@@ -205,6 +229,13 @@ def pairwise(x: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
 def gather_parts(
     x: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[Sequence[torch.Tensor]], c: Comm
 ) -> None:
+    with ranged(lambda: f"pshard.all_gather[{c.name}]"):
+        _gather_parts(x, send, recv, c)
+
+
+def _gather_parts(
+    x: torch.Tensor, send: Sequence[torch.Tensor], recv: Sequence[Sequence[torch.Tensor]], c: Comm
+) -> None:
     """Every index's parts of its block straight into their places: ``send`` are parts of this
     rank's block ``x``, ``recv[i]`` the tensors (views of an output, say) that take index
     ``i``'s parts, one per part, in order; ``recv[c.rank]`` are copied from ``send`` here. All
@@ -241,6 +272,7 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+@_ranged("all_gather")
 def all_gather_start(x: torch.Tensor, c: Comm) -> tuple[torch.Tensor, list[Any]]:
     """Issue an all-gather of ``x`` over ``c`` and return at once: the output, of shape
     ``(c.size, *x.shape)`` with index ``i``'s ``x`` at ``[i]`` once ``wait(pending)`` returns,
@@ -262,6 +294,7 @@ def all_gather_start(x: torch.Tensor, c: Comm) -> tuple[torch.Tensor, list[Any]]
     return buf, [*_shifted_start(c.rank, c.size, peer, [inp], [[b] for b in buf], c.group), inp]
 
 
+@_ranged("psum_scatter")
 def reduce_scatter_start(x: torch.Tensor, c: Comm, dim: int) -> tuple[torch.Tensor, list[Any]]:
     """Issue :func:`reduce_scatter` of ``x`` (``tiled=True``) and return at once: the output,
     this index's sum once ``wait(pending)`` returns, and the pending work, which holds what the
@@ -275,6 +308,7 @@ def reduce_scatter_start(x: torch.Tensor, c: Comm, dim: int) -> tuple[torch.Tens
     return out, [work, inp]
 
 
+@_ranged("psum_scatter")
 def reduce_scatter(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
     if c.debug:
         check_collective("psum_scatter", c.group, c.name, x, (dim, int(tiled)))
@@ -285,6 +319,7 @@ def reduce_scatter(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Ten
     return out if tiled else out.squeeze(dim)
 
 
+@_ranged("all_to_all")
 def all_to_all(x: torch.Tensor, c: Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
     if c.debug:
         check_collective("all_to_all", c.group, c.name, x, (split_dim, concat_dim))
@@ -300,6 +335,7 @@ def ppermute(x: torch.Tensor, c: Comm, perm: Perm) -> torch.Tensor:
     return out
 
 
+@_ranged("ppermute")
 def ppermute_start(x: torch.Tensor, c: Comm, perm: Perm) -> tuple[torch.Tensor, list[Any]]:
     """Issue a ppermute and return at once: the output tensor (filled once ``wait(pending)``
     returns) and the pending work. ``x`` must not be written to before then. Every rank must
@@ -324,11 +360,17 @@ def ppermute_start(x: torch.Tensor, c: Comm, perm: Perm) -> tuple[torch.Tensor, 
 def wait(pending: list[Any]) -> None:
     """Wait for the work returned by :func:`ppermute_start`, :func:`all_gather_start` or
     :func:`reduce_scatter_start` (tensors in the list are what the work reads, held)."""
+    with ranged(lambda: "pshard.wait"):
+        _wait(pending)
+
+
+def _wait(pending: list[Any]) -> None:
     for work in pending:
         if not isinstance(work, torch.Tensor):
             work.wait()
 
 
+@_ranged("broadcast")
 def broadcast(x: torch.Tensor, c: Comm, src: int) -> torch.Tensor:
     if c.debug:
         check_collective("broadcast", c.group, c.name, x, (src,))
@@ -337,6 +379,7 @@ def broadcast(x: torch.Tensor, c: Comm, src: int) -> torch.Tensor:
     return out
 
 
+@_ranged("reduce")
 def reduce(x: torch.Tensor, c: Comm, dst: int) -> torch.Tensor:
     if c.debug:
         check_collective("reduce", c.group, c.name, x, (dst,))

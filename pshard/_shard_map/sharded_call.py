@@ -369,6 +369,7 @@ def sharded_call(
     ):
         run = UnitCall(
             unit,
+            prefix,
             f"{_FN} unit {prefix!r} ({type(unit).__name__})",
             [n[len(prefix) + 1 :] for n in mine],
             g,

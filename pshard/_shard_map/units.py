@@ -27,6 +27,7 @@ from .._core.tree import tree_flatten, tree_unflatten
 from .._remat.checkpoint import checkpoint
 from .._remat.names import checkpoint_name
 from .._remat.policies import save_anything_except_these_names
+from .._runtime.ranges import ranged
 from .fsdp_policy import ShardedCallPolicy
 from .unit_schedule import PreBackward, UnitSchedule, UnitSlot
 
@@ -77,12 +78,14 @@ class UnitCall:
     def __init__(
         self,
         unit: torch.nn.Module,
+        prefix: str,
         name: str,
         local_names: list[str],
         gathered: Gathered,
         slot: UnitSlot | None,
     ) -> None:
         self.unit = unit
+        self.prefix = prefix
         self.__qualname__ = name  # how ps.checkpoint's errors name this call
         self.local_names = local_names
         self.gathered = gathered
@@ -95,10 +98,10 @@ class UnitCall:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
+        with ranged(lambda: f"pshard.unit[{self.prefix}].gather"):
+            gathered = self.gathered(blocks, self.slot)
         whole = dict(extras)
-        for local_name, value in zip(
-            self.local_names, self.gathered(blocks, self.slot), strict=True
-        ):
+        for local_name, value in zip(self.local_names, gathered, strict=True):
             whole[local_name] = checkpoint_name(value, GATHER_NAME)
         token = _INSIDE.set(_INSIDE.get() | {id(self.unit)})
         try:
@@ -129,8 +132,9 @@ class UnitEntry:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         position = self.schedule.forward_call(self.u)
         args, kwargs = self.policy.cast_inputs((args, kwargs))
-        out = checkpoint(self.run, self.blocks, self.extras, *args, policy=self.checkpoint_policy,
-                         **kwargs)  # fmt: skip
+        with ranged(lambda: f"pshard.unit[{self.run.prefix}]"):
+            out = checkpoint(self.run, self.blocks, self.extras, *args,
+                             policy=self.checkpoint_policy, **kwargs)  # fmt: skip
         if not (self.policy.prefetch and self.policy.reshard_after_forward):
             return out
         if not (torch.is_grad_enabled() or compat.transforms_active()):
