@@ -512,6 +512,7 @@ def _sleep_in_c() -> None:
 def test_a_rank_stuck_in_c_code_is_a_timeout_naming_its_line():
     """The run ends within timeout + 2 s with a TimeoutError naming the rank and where it is
     stuck; the thread is a daemon (it never holds the interpreter's exit)."""
+    ps.init_mesh({"dp": 1})  # the caller's own process group, which must outlive the rank
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         ps.spawn(_sleep_in_c, nprocs=2, backend="threads", timeout=0.5)
@@ -523,6 +524,9 @@ def test_a_rank_stuck_in_c_code_is_a_timeout_naming_its_line():
     assert left and all(t.daemon for t in left)
     for t in left:
         t.join(10)
+    # back from its sleep, the rank touched no process group: the caller's is still there
+    mesh = ps.init_mesh({"dp": 1})
+    assert torch.equal(ps.psum(torch.ones(2), "dp"), torch.ones(2)) and mesh.size() == 1
 
 
 def _generator():

@@ -153,7 +153,9 @@ def run_threads(
             finally:
                 # as a process ends once its own threads have (an async save, say)
                 turns.block(lambda: turns.children_done(task), "its own threads")
-                if dist.is_initialized():
+                # (a rank the caller gave up on, back from where it was stuck, touches c10d no
+                # more: the run may be over, its groups no longer the thread's own)
+                if dist.is_initialized() and turns.abort is None:
                     dist.destroy_process_group()
         except SystemExit as exc:
             errors[r] = SpawnError(
