@@ -31,6 +31,8 @@ from ._core.placements import from_torch_placement as from_torch_placement
 from ._core.placements import to_torch_placement as to_torch_placement
 from ._core.type_specs import specs_of as specs_of
 from ._core.version import version as __version__  # noqa: F401
+from ._inspect.memory import memory_estimate as memory_estimate
+from ._inspect.visualize import visualize_sharding as visualize_sharding
 from ._microbatch.batch_dim import infer_out_specs as infer_out_specs
 from ._microbatch.merge import merge as merge
 from ._microbatch.pmap import pmap_microbatch as pmap_microbatch
@@ -97,6 +99,8 @@ __all__ = [
     "load",
     "remat",
     "checkpoint_layers",
+    "memory_estimate",
+    "visualize_sharding",
     "checkpoint_policies",
     "checkpoint_name",
     "checkpoint",

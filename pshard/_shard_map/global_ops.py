@@ -26,6 +26,7 @@ from .._collectives.cast_gather import BlockPlan, block_levels
 from .._core.global_tensor import (
     GlobalMeta,
     GlobalTensor,
+    MeshKey,
     applied_shards,
     block_runs,
     check_unmodified,
@@ -61,6 +62,7 @@ __all__ = [
     "global_spec",
     "reshard",
     "shard",
+    "spec_over_key",
     "to_dtensor",
 ]
 
@@ -75,7 +77,12 @@ def global_spec(spec: Any, ndim: int, mesh: DeviceMesh, fn: str, where: str) -> 
             ``StridedShard``: use :func:`from_dtensor`).
         ValueError: more entries than dims, or an axis the mesh lacks.
     """
-    key = mesh_key(mesh)
+    return spec_over_key(spec, ndim, mesh_key(mesh), fn, where)
+
+
+def spec_over_key(spec: Any, ndim: int, key: MeshKey, fn: str, where: str) -> P:
+    """:func:`global_spec` over the mesh ``key`` describes (a mesh by value: its axis names
+    alone matter)."""
     if spec is None or isinstance(spec, Replicate):
         spec = P()
     elif isinstance(spec, Shard):

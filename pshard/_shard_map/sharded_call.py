@@ -45,7 +45,7 @@ from .global_ops import block_plan
 from .unit_schedule import UnitSchedule, UnitSlot, gate
 from .units import GATHER_NAME, Gathered, UnitCall, UnitEntry, installed
 
-__all__ = ["GATHER_NAME", "KEEP_SPLIT", "sharded_call"]
+__all__ = ["GATHER_NAME", "KEEP_SPLIT", "default_units", "sharded_call"]
 
 _FN = "sharded_call"
 
@@ -58,7 +58,7 @@ KEEP_SPLIT: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 Units = type | tuple[type, ...] | list[type] | Callable[[torch.nn.Module], bool] | None
 
 
-def _default_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def default_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The repeated blocks: children of a ``ModuleList`` whose class occurs twice or more."""
     out = []
     for name, sub in module.named_modules():
@@ -72,7 +72,7 @@ def _default_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 
 def _find_units(module: torch.nn.Module, units: Units) -> list[tuple[str, torch.nn.Module]]:
     if units is None:
-        found = _default_units(module)
+        found = default_units(module)
     else:
         if isinstance(units, type):
             units = (units,)
