@@ -234,10 +234,6 @@ def main() -> None:
             print(f"  as {name:<8} {per_rank} MiB per rank")
 
 
-if __name__ == "__main__":
-    main()
-
-
 def preferred() -> str:
     """The checksum a save chooses on this machine."""
     from pshard._state.checksums import preferred as chosen
@@ -252,3 +248,7 @@ def file_checksum_of(data: bytes) -> int:
 
         return int(crc32c.crc32c(data))
     return zlib.crc32(data)
+
+
+if __name__ == "__main__":
+    main()
