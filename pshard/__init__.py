@@ -12,6 +12,7 @@ from ._collectives.functions import pmin as pmin
 from ._collectives.functions import ppermute as ppermute
 from ._collectives.functions import psum as psum
 from ._collectives.functions import psum_scatter as psum_scatter
+from ._collectives.ragged import ragged_all_to_all as ragged_all_to_all
 from ._core.caches import clear_caches as clear_caches
 from ._core.global_tensor import GlobalTensor as GlobalTensor
 from ._core.layout import explicit_order as explicit_order
@@ -149,6 +150,7 @@ __all__ = [
     "ppermute",
     "prepare_lm_batch",
     "psum",
+    "ragged_all_to_all",
     "psum_scatter",
     "reduce_gradients",
     "Replicate",

@@ -47,6 +47,7 @@ __all__ = [
     "pairwise",
     "ppermute",
     "ppermute_start",
+    "ragged_exchange",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_start",
@@ -386,3 +387,32 @@ def reduce(x: torch.Tensor, c: Comm, dst: int) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     dist.reduce(out, dst=_peer(c, dst), group=c.group)
     return out if c.rank == dst else out.zero_()
+
+
+@_ranged("ragged_all_to_all")
+def ragged_exchange(
+    x: torch.Tensor, c: Comm, send: Sequence[int], recv: Sequence[int]
+) -> torch.Tensor:
+    """The rows of ``x`` grouped by destination index (``send[i]`` rows for index ``i``, in
+    index order) sent to their indices; the rows received, grouped by source index
+    (``recv[i]`` from index ``i``). Pairwise sends and receives of the parts that are not
+    empty (every backend; both sides know every count)."""
+    inp = x.contiguous()
+    out = inp.new_empty((sum(recv), *inp.shape[1:]))
+    starts = [sum(send[:i]) for i in range(c.size)]
+    at = [sum(recv[:i]) for i in range(c.size)]
+    out[at[c.rank] : at[c.rank] + recv[c.rank]].copy_(
+        inp[starts[c.rank] : starts[c.rank] + send[c.rank]]
+    )
+    ops = []
+    for step in range(1, c.size):
+        to, frm = (c.rank + step) % c.size, (c.rank - step) % c.size
+        if send[to]:
+            part = inp[starts[to] : starts[to] + send[to]]
+            ops.append(dist.P2POp(dist.isend, part, _peer(c, to), c.group))
+        if recv[frm]:
+            slot = out[at[frm] : at[frm] + recv[frm]]
+            ops.append(dist.P2POp(dist.irecv, slot, _peer(c, frm), c.group))
+    if ops:
+        _wait(list(dist.batch_isend_irecv(ops)))
+    return out
