@@ -71,6 +71,8 @@ from ._state.init import init_sharded as init_sharded
 from ._state.manifest import SavedObject as SavedObject
 from ._state.manifest import SavedTensor as SavedTensor
 from ._state.rng import RngState as RngState
+from .expert_parallel._api import expert_parallel as expert_parallel
+from .expert_parallel._api import expert_parallel_specs as expert_parallel_specs
 from .integrations import transformers as _transformers  # noqa: F401 (registers its adapter)
 from .sequence._broadcast import broadcast_batches as broadcast_batches
 from .sequence._context import seq_positions as seq_positions
@@ -178,4 +180,6 @@ __all__ = [
     "tensor_parallel",
     "tensor_parallel_plan",
     "tensor_parallel_specs",
+    "expert_parallel",
+    "expert_parallel_specs",
 ]

@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "pshard._state",
         "pshard.optim",
         "pshard.tensor_parallel",
+        "pshard.expert_parallel",
         "pshard._inspect",
     ),
     ("pshard._pipeline",),

@@ -46,6 +46,7 @@ from torch import nn
 __all__ = [
     "AttentionHeads",
     "ConfigPart",
+    "ExpertsPart",
     "ModelAdapter",
     "InitializerPart",
     "LayersPart",
@@ -54,6 +55,7 @@ __all__ = [
     "Reduce",
     "TracingPart",
     "config_file",
+    "experts_part",
     "find_adapter",
     "initializer_part",
     "layers_part",
@@ -218,6 +220,50 @@ class TracingPart(Protocol):
 
 
 @runtime_checkable
+class ExpertsPart(Protocol):
+    """What ``expert_parallel`` needs to know about one family of mixture-of-experts models."""
+
+    def experts_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The model's stacked experts modules (name, module): each holds every expert's
+        weights in tensors whose dim 0 is the expert (empty for a model without)."""
+        ...
+
+    def experts_count(self, module: nn.Module) -> int:
+        """How many experts ``module`` holds in the whole model (its config's count)."""
+        ...
+
+    def experts_parameters(self, module: nn.Module) -> tuple[str, ...]:
+        """The names (in ``module``) of its stacked parameters, expert first."""
+        ...
+
+    def run_experts(
+        self, module: nn.Module, rows: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """``module``'s experts on ``rows``: row ``i`` through expert ``experts[i]`` (an index
+        into the stacked tensors ``module`` holds now), as the family computes one expert."""
+        ...
+
+    def balance_loss_slot(self, model: nn.Module) -> tuple[dict[str, Any], str] | None:
+        """Where ``model``'s forward reads its load-balancing loss function from (a namespace
+        and a name), or ``None``: the model has none."""
+        ...
+
+    def balance_loss(
+        self, reduce: Callable[[torch.Tensor], torch.Tensor], share: int
+    ) -> Callable[..., Any]:
+        """The family's load-balancing loss function inside the block: the same loss of token
+        statistics ``reduce`` sums over the ranks of the block's map, divided by ``share``
+        (the number of those ranks, whose results the block sums)."""
+        ...
+
+    def loss_items(self, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The count of targets the model's own loss averages over in a call with ``kwargs``
+        (``None``: no loss of its own, or the caller gave the count); the block passes the
+        count of the whole map's batch instead, so that each rank's loss is its share."""
+        ...
+
+
+@runtime_checkable
 class LayersPart(Protocol):
     """What ``ps.checkpoint_layers`` needs of one family: the model's own checkpointing of its
     layers pointed at a function."""
@@ -304,5 +350,14 @@ def layers_part(model: nn.Module) -> LayersPart | None:
     matches and has one), or ``None``."""
     for adapter in reversed(_ADAPTERS.values()):
         if isinstance(adapter, LayersPart) and adapter.matches(model):
+            return adapter
+    return None
+
+
+def experts_part(model: nn.Module) -> ExpertsPart | None:
+    """The experts part of the adapter of ``model``'s family (the latest registered that
+    matches and has one), or ``None``."""
+    for adapter in reversed(_ADAPTERS.values()):
+        if isinstance(adapter, ExpertsPart) and adapter.matches(model):
             return adapter
     return None

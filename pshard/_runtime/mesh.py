@@ -34,6 +34,8 @@ __all__ = [
     "cpu_group",
     "current_mesh",
     "init_mesh",
+    "mapped_axes",
+    "mapping",
     "mesh_for",
     "resolve_axis",
     "use_mesh",
@@ -50,6 +52,27 @@ class _Scope(NamedTuple):
 _CURRENT_MESH: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
     "pshard_current_mesh", default=None
 )
+
+
+_MAPPED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "pshard_mapped_axes", default=()
+)
+
+
+def mapped_axes() -> tuple[str, ...]:
+    """The mesh axes the maps running now map (``shard_map`` bodies inside each other: all
+    of theirs), outermost first."""
+    return _MAPPED.get()
+
+
+@contextlib.contextmanager
+def mapping(axes: tuple[str, ...]) -> Iterator[None]:
+    """The body of a map over ``axes`` (see :func:`mapped_axes`)."""
+    token = _MAPPED.set(_MAPPED.get() + tuple(a for a in axes if a not in _MAPPED.get()))
+    try:
+        yield
+    finally:
+        _MAPPED.reset(token)
 
 
 def _scope_for(mesh: DeviceMesh) -> _Scope:

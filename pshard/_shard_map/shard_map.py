@@ -20,7 +20,7 @@ from .._core.global_tensor import is_global
 from .._core.placements import P, Partial, Placement, Replicate
 from .._core.specs import resolve_specs
 from .._core.tree import describe, keystr, tree_flatten_with_path, tree_unflatten
-from .._runtime.mesh import mesh_for, use_mesh
+from .._runtime.mesh import mapping, mesh_for, use_mesh
 from .boundary import BlockLayout, FromBlocks, PartialExtreme, ToBlock
 from .global_boundary import as_spec, enter_global, exit_global, sharded_outputs
 from .mesh_view import MeshView, block_layout
@@ -331,7 +331,7 @@ def shard_map(
             _enter(x, s, keystr(path, "kwargs"), m, check) if _tensor(x, s) else x
             for path, x, s in zip(kw_paths, kw_leaves, kw_leaf_specs, strict=True)
         ]
-        with use_mesh(m.mesh):
+        with use_mesh(m.mesh), mapping(m.mapped):
             out = fn(*tree_unflatten(treedef, inner), **tree_unflatten(kw_def, kw_inner))
         out_tree = default_out_specs(fn, transform=_FN) if out_specs is None else out_specs
         return _outputs(out, out_tree, m, check, gather_outputs)

@@ -72,6 +72,7 @@ from ..sequence._lm import (
 )
 from ..sequence.plug import plugged_attention, run_attention
 from ..tensor_parallel._loss import cross_entropy
+from .moe import MoeParts
 
 __all__ = ["TransformersAdapter"]
 
@@ -179,7 +180,7 @@ def _refuse(model: nn.Module, kwargs: dict[str, Any]) -> None:
         )
 
 
-class TransformersAdapter:
+class TransformersAdapter(MoeParts):
     """The :class:`~pshard._modules.adapter.ModelAdapter` of Hugging Face transformers models
     (see the module docs)."""
 

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._collectives.functions import axis_index
 from .._modules.adapter import TensorParallelParts
 from .._modules.passes import record_for_backward, recorded
+from .._modules.patches import own_forward, set_forward
 from .._runtime.mesh import use_mesh
 from ._layers import Split, run_layer
 from ._plan import Resolved
@@ -115,10 +116,6 @@ def running(run: Run) -> Iterator[Run]:
         undo()
 
 
-def _own_forward(module: nn.Module, saved: Any) -> Callable[..., Any]:
-    return saved if saved is not None else type(module).forward.__get__(module)
-
-
 class _Forward:
     """A split layer's ``forward`` while its model is installed."""
 
@@ -126,7 +123,7 @@ class _Forward:
         self.model, self.module, self.name, self.saved = model, module, name, saved
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        own = _own_forward(self.module, self.saved)
+        own = own_forward(self.module, self.saved)
         run = active_run(self.model)
         if run is None:
             return own(*args, **kwargs)
@@ -145,25 +142,11 @@ class _Root:
         self.undo: list[Callable[[], None]] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        own = _own_forward(self.model, self.saved)
+        own = own_forward(self.model, self.saved)
         run = active_run(self.model)
         if run is None:
             return own(*args, **kwargs)
         return record_for_backward(own(*args, **kwargs), run)
-
-
-def _set_forward(module: nn.Module, forward: Any) -> Callable[[], None]:
-    saved = module.__dict__.get("forward")
-    module.forward = forward
-
-    def undo() -> None:
-        if module.__dict__.get("forward") is forward:
-            if saved is None:
-                del module.forward
-            else:
-                module.forward = saved
-
-    return undo
 
 
 def _install(run: Run) -> Callable[[], None]:
@@ -199,7 +182,7 @@ def _patch(run: Run, root: _Root) -> None:
         for name in run.resolved.layers:
             module = model.get_submodule(name)
             saved = module.__dict__.get("forward")
-            root.undo.append(_set_forward(module, _Forward(model, module, name, saved)))
+            root.undo.append(set_forward(module, _Forward(model, module, name, saved)))
         for name, heads, kv_heads in run.resolved.attention:
             assert adapter is not None  # only an adapter describes attention modules
             root.undo.append(adapter.localize_attention(model.get_submodule(name), heads, kv_heads))
@@ -207,7 +190,7 @@ def _patch(run: Run, root: _Root) -> None:
             undo = adapter.parallel_loss(model, run.axis)
             if undo is not None:
                 root.undo.append(undo)
-        root.undo.append(_set_forward(model, root))
+        root.undo.append(set_forward(model, root))
     except BaseException:
         for step in reversed(root.undo):
             step()
