@@ -117,10 +117,23 @@ def _loss(model, specs, b, count, axes, *, call=None):
     )
 
 
+def skew(model: torch.nn.Module) -> None:
+    """Heavily unbalanced routing: every token's first choice is expert 0 or 1 (rank 0's):
+    their router rows are +c u and -c u, one of which is large and positive for any token."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            u = torch.randn(layer.mlp.gate.weight.shape[1], dtype=f64, generator=g)
+            layer.mlp.gate.weight[0] = 40 * u
+            layer.mlp.gate.weight[1] = -40 * u
+
+
 def rank_matches(family: str, mesh: dict, mode: str, fsdp: bool = False) -> dict:
     ps.init_mesh(mesh)
     axes = tuple(mesh)
     model = build(family)
+    if mode == "skewed":
+        skew(model)
     if mode == "checkpoint":
         ps.checkpoint_layers(model)
     b = batch(2 * ps.axis_size(axes))
@@ -169,10 +182,22 @@ def rank_matches(family: str, mesh: dict, mode: str, fsdp: bool = False) -> dict
         "grads": {k: (g, block(k, want["grads"][k])) for k, g in grads.items()},
         "hf_grads": {k: (g, block(k, want["hf_grads"][k])) for k, g in (hf_grads or {}).items()},
         "split": {k: params[k].local.shape[0] for k in params if k.endswith(_STACKED)},
+        "first choices": _first_choices(model, b),
     }
 
 
-def _check(results: list[dict], local: int) -> None:
+def _first_choices(model: torch.nn.Module, b: dict) -> list[int]:
+    """How many of the batch's tokens choose each expert first, in layer 0."""
+    with torch.no_grad():
+        hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(b["input_ids"]))
+        logits = model.model.layers[0].mlp.gate(hidden.flatten(0, 1))[0]
+    return torch.bincount(logits.argmax(-1), minlength=8).tolist()
+
+
+def _check(results: list[dict], local: int, skewed: bool = False) -> None:
+    if skewed:  # every token's first choice on rank 0
+        choices = results[0]["first choices"]
+        assert sum(choices[:2]) == sum(choices), choices
     for r, res in enumerate(results):
         for got, want, tol in res["out"]:
             torch.testing.assert_close(got.detach(), want, **tol, msg=f"rank {r}")
@@ -191,10 +216,12 @@ def _check(results: list[dict], local: int) -> None:
         ("qwen3_moe", 4, "grad"),
         ("mixtral", 4, "backward"),
         ("qwen2_moe", 2, "checkpoint"),
-    ],  # fmt: skip
+        ("mixtral", 4, "skewed"),
+        ("qwen3_moe", 2, "skewed"),
+    ],
 )
 def test_matches_one_process(pool, family: str, n: int, mode: str) -> None:
-    _check(pool.run(n, rank_matches, family, {"ep": n}, mode), 8 // n)
+    _check(pool.run(n, rank_matches, family, {"ep": n}, mode), 8 // n, mode == "skewed")
 
 
 def test_dp_by_ep_with_sharded_call(pool) -> None:
@@ -363,8 +390,15 @@ def rank_norm_and_save(path: str) -> tuple:
     with ps.expert_parallel(model):
         grads = torch.func.grad(lambda p: _loss(model, specs, b, count, ("ep",))(p, b)[0])(params)
     norm = ps.optim.global_norm(grads)
+    clip = ps.optim.clip_by_global_norm(norm.item() / 3)
+    clipped = clip.update(grads, clip.init(params))[0]
     ps.save(path, params)
-    return norm, {k: g.local for k, g in grads.items()}
+    want = reference(model, b)["grads"]
+    whole_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in want.values()]))
+    return (norm, whole_norm), {
+        k: (g.local, ps.shard(want[k] * (norm.item() / 3 / whole_norm), specs[k]).local)
+        for k, g in clipped.items()
+    }
 
 
 def rank_load(path: str) -> dict:
@@ -377,15 +411,15 @@ def rank_load(path: str) -> dict:
 
 
 def test_global_norm_and_a_save_resharded(pool, tmp_path) -> None:
-    results = pool.run(4, rank_norm_and_save, str(tmp_path / "ckpt"))
-    model = build("mixtral")
-    b = batch(4)
-    want = reference(model, b)["grads"]
-    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in want.values()]))
-    for got, _ in results:
-        torch.testing.assert_close(got, norm, **EXACT)
+    """The global norm of the experts' blocks and the rest, the clipping by it (to a third),
+    and the experts saved from 4 ranks loaded on 2."""
+    for (norm, want), clipped in pool.run(4, rank_norm_and_save, str(tmp_path / "ckpt")):
+        torch.testing.assert_close(norm, want, **EXACT)
+        for k, (got, expected) in clipped.items():
+            torch.testing.assert_close(got, expected, **EXACT, msg=k)
+    names = [n for n, _ in build("mixtral").named_parameters()]
     for pairs in pool.run(2, rank_load, str(tmp_path / "ckpt")):
-        assert len(pairs) == len(want)
+        assert sorted(pairs) == sorted(names)
         for k, (got, expected) in pairs.items():
             assert torch.equal(got, expected), k
 
