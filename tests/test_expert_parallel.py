@@ -8,6 +8,7 @@ block; the global norm; a save resharded to another axis size; the errors."""
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 
@@ -478,3 +479,33 @@ def test_the_model_is_restored() -> None:
     assert "forward" not in model.__dict__
     assert "forward" not in model.model.layers[0].mlp.experts.__dict__
     assert sys.modules[module].load_balancing_loss_func is own
+
+
+# ---------------------------------------------------------------- Hugging Face checkpoints
+
+
+def rank_load_pretrained(path: str, mesh: dict) -> dict:
+    ps.init_mesh(mesh)
+    model = build("qwen3_moe")
+    specs = ps.expert_parallel_specs(model)
+    if "dp" in mesh:  # and FSDP over "dp": the experts' blocks split further, on their rows
+        specs = {k: P(*s, "dp") if s else P("dp") for k, s in specs.items()}
+    loaded = ps.load(path, specs=specs)
+    whole = {k: v.detach() for k, v in model.named_parameters()}
+    return {k: (v.local, ps.shard(whole[k], specs[k]).local) for k, v in loaded.items()}
+
+
+@pytest.mark.parametrize("mesh", [{"ep": 2}, {"dp": 2, "ep": 2}])
+def test_load_what_save_pretrained_wrote(pool, tmp_path, mesh) -> None:
+    """save_pretrained stores each expert apart (experts.0.gate_proj.weight, ...): ps.load
+    gives the model's stacked tensors, each rank its block of them."""
+    model = build("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    meta = ps.load_metadata(str(tmp_path))
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(meta) == sorted(names), sorted(set(meta) ^ set(names))
+    results = pool.run(math.prod(mesh.values()), rank_load_pretrained, str(tmp_path), mesh)
+    for r, pairs in enumerate(results):
+        assert sorted(pairs) == sorted(names)
+        for k, (got, want) in pairs.items():
+            assert torch.equal(got, want), (r, k)

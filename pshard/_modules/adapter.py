@@ -37,7 +37,7 @@ registering one imports nothing of the library it adapts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -47,6 +47,7 @@ __all__ = [
     "AttentionHeads",
     "ConfigPart",
     "ExpertsPart",
+    "StackedNamesPart",
     "ModelAdapter",
     "InitializerPart",
     "LayersPart",
@@ -62,6 +63,7 @@ __all__ = [
     "prepare_tracing",
     "register_adapter",
     "registered_adapters",
+    "stacked_names",
     "tensor_parallel_part",
 ]
 
@@ -264,6 +266,18 @@ class ExpertsPart(Protocol):
 
 
 @runtime_checkable
+class StackedNamesPart(Protocol):
+    """A family whose checkpoints store per-expert tensors its modules hold stacked (Hugging
+    Face's MoE models: ``experts.0.gate_proj.weight`` ... on the hub and from
+    ``save_pretrained``, ``experts.gate_up_proj`` in the module)."""
+
+    def stacked_names(self, keys: Collection[str]) -> dict[str, list[list[str]]]:
+        """Of a checkpoint's ``keys``: each stacked name -> per expert (dim 0, in order), the
+        keys whose tensors, concatenated on their dim 0, are that expert's slice."""
+        ...
+
+
+@runtime_checkable
 class LayersPart(Protocol):
     """What ``ps.checkpoint_layers`` needs of one family: the model's own checkpointing of its
     layers pointed at a function."""
@@ -361,3 +375,13 @@ def experts_part(model: nn.Module) -> ExpertsPart | None:
         if isinstance(adapter, ExpertsPart) and adapter.matches(model):
             return adapter
     return None
+
+
+def stacked_names(keys: Collection[str]) -> dict[str, list[list[str]]]:
+    """The stacked names every registered adapter with a :class:`StackedNamesPart` finds in a
+    checkpoint's ``keys`` (see there)."""
+    out: dict[str, list[list[str]]] = {}
+    for adapter in _ADAPTERS.values():
+        if isinstance(adapter, StackedNamesPart):
+            out.update(adapter.stacked_names(keys))
+    return out

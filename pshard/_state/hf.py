@@ -13,6 +13,13 @@ planner one whole-tensor chunk per key; torch's reader then reads each rank's bl
 ``safetensors.safe_open`` (only the bytes of the slices asked for). Dtypes are compared before
 reading (torch's reader would cast with ``copy_``).
 
+**Stacked experts.** Mixture-of-experts models hold every expert's weights in one tensor
+(``experts.gate_up_proj``, experts first) where their checkpoints store each expert apart
+(``experts.0.gate_proj.weight``, ...). The model adapters name such stacks
+(:func:`pshard._modules.adapter.stacked_names`); the reader then shows the stacked tensor in
+place of its parts (:class:`_Stack`), and reads each block of it from the parts' slices it
+covers: a rank holding some of the experts reads only their bytes.
+
 Writing (:class:`HFWriter`): torch's ``HuggingFaceStorageWriter`` with ``save_distributed``
 (each rank writes its own blocks, into ``sharded/`` files of its own; without it every rank
 writes the same file name) and consolidation (rank 0 assembles the whole tensors into
@@ -23,6 +30,7 @@ save; pshard then deletes the ``sharded/`` copy it wrote and switches the direct
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -32,6 +40,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -43,9 +52,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .._modules.adapter import stacked_names
 from .manifest import LeafRecord, dtype_name, where
 from .opened import OpenedCheckpoint
 
@@ -115,6 +125,39 @@ class _Stored:
     relative_path: str
     shape: torch.Size
     dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """A stacked tensor made of per-expert parts: ``parts[e]`` are expert ``e``'s (file, key,
+    rows), concatenated on dim 0."""
+
+    parts: tuple[tuple[tuple[str, str, int], ...], ...]
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _stack(
+    name: str, grid: list[list[str]], stored: dict[str, _Stored], where_: str, fn: str
+) -> _Stack:
+    """The stack ``name`` of the parts ``grid`` names (their shapes and dtypes checked)."""
+    first = stored[grid[0][0]]
+    rows = [stored[k].shape[0] for k in grid[0]]
+    for e, keys in enumerate(grid):
+        for k, n in zip(keys, rows, strict=True):
+            s = stored[k]
+            if s.dtype != first.dtype or len(s.shape) != 2 or s.shape != (n, first.shape[1]):
+                raise ValueError(
+                    f"{fn}: the Hugging Face checkpoint at {where_!r} stores {name!r} per expert, "
+                    f"but {k!r} ({dtype_name(s.dtype)}, shape {tuple(s.shape)}) does not stack "
+                    f"with {grid[0][0]!r} ({dtype_name(first.dtype)}, shape "
+                    f"{tuple(first.shape)}) as expert {e}"
+                )
+    parts = tuple(
+        tuple((stored[k].relative_path, k, n) for k, n in zip(keys, rows, strict=True))
+        for keys in grid
+    )
+    return _Stack(parts, torch.Size([len(grid), sum(rows), first.shape[1]]), first.dtype)
 
 
 def _header(opened: OpenedCheckpoint, name: str, where_: str, fn: str) -> tuple[dict, int]:
@@ -197,9 +240,7 @@ def open_hf(
             ) from None
     else:
         files = {HF_SINGLE: []}  # every key of the file
-    state: dict[str, TensorStorageMetadata] = {}
-    storage: dict[MetadataIndex, _Stored] = {}
-    records: dict[str, LeafRecord] = {}
+    stored: dict[str, _Stored] = {}
     for name, keys in sorted(files.items()):
         try:
             header, _ = _header(opened, name, where_, fn)
@@ -218,14 +259,23 @@ def open_hf(
                     f"index puts {key!r} in {name!r}, which does not hold it"
                 )
             shape = torch.Size(int(n) for n in entry["shape"])
-            dtype = _READABLE[entry["dtype"]]
-            state[key] = TensorStorageMetadata(
-                TensorProperties(dtype=dtype),
-                shape,
-                [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)],
-            )
-            storage[MetadataIndex(key, torch.Size([0] * len(shape)))] = _Stored(name, shape, dtype)
-            records[key] = LeafRecord((key,), "tensor", tuple(shape), dtype)
+            stored[key] = _Stored(name, shape, _READABLE[entry["dtype"]])
+    tensors: dict[str, _Stored | _Stack] = dict(stored)
+    for name, grid in stacked_names(set(stored)).items():
+        for keys in grid:
+            for k in keys:
+                tensors.pop(k, None)
+        tensors[name] = _stack(name, grid, stored, where_, fn)
+    state: dict[str, TensorStorageMetadata] = {}
+    storage: dict[MetadataIndex, _Stored | _Stack] = {}
+    records: dict[str, LeafRecord] = {}
+    for key, t in tensors.items():
+        origin = torch.Size([0] * len(t.shape))
+        state[key] = TensorStorageMetadata(
+            TensorProperties(dtype=t.dtype), t.shape, [ChunkStorageMetadata(origin, t.shape)]
+        )
+        storage[MetadataIndex(key, origin)] = t
+        records[key] = LeafRecord((key,), "tensor", tuple(t.shape), t.dtype)
     md = Metadata(state_dict_metadata=dict(state), storage_data=storage)
     md.storage_meta = StorageMeta()
     return md, records, digest.hexdigest()
@@ -249,21 +299,64 @@ class HFReader(HuggingFaceStorageReader):
         Raises:
             Replaced: a file is gone because the directory was replaced.
         """
-        proc = Path("/proc/self/fd")
         for item in plan.items:
             if item.storage_index in self._through:
                 continue
-            stored: _Stored = self.storage_data[item.storage_index]
-            fd = self._opened.fd(stored.relative_path)
-            path = proc / str(fd) if proc.is_dir() else self._opened.path / stored.relative_path
-            self.storage_data[item.storage_index] = dataclasses.replace(
-                stored, relative_path=os.fspath(path)
-            )
+            stored: _Stored | _Stack = self.storage_data[item.storage_index]
+            if isinstance(stored, _Stack):
+                parts = tuple(
+                    tuple((self._path(file), key, n) for file, key, n in expert)
+                    for expert in stored.parts
+                )
+                self.storage_data[item.storage_index] = dataclasses.replace(stored, parts=parts)
+            else:
+                self.storage_data[item.storage_index] = dataclasses.replace(
+                    stored, relative_path=self._path(stored.relative_path)
+                )
             self._through.add(item.storage_index)
+
+    def _path(self, file: str) -> str:
+        """Where to open ``file``: through the descriptor the checkpoint holds open."""
+        proc = Path("/proc/self/fd")
+        fd = self._opened.fd(file)
+        return os.fspath(proc / str(fd) if proc.is_dir() else self._opened.path / file)
+
+    def _read_stacks(self, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Each block of a stacked tensor from the slices of its parts it covers."""
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as files:
+            opened: dict[str, Any] = {}
+            for req in items:
+                stack: _Stack = self.storage_data[req.storage_index]
+                (e0, r0, c0), (ne, nr, nc) = req.storage_offsets, req.lengths
+                block = torch.empty((ne, nr, nc), dtype=stack.dtype)
+                for i in range(ne):
+                    start = 0
+                    for file, key, n in stack.parts[e0 + i]:
+                        lo, hi = max(r0, start), min(r0 + nr, start + n)
+                        if lo < hi:
+                            if file not in opened:
+                                opened[file] = files.enter_context(safe_open(file, "pt"))
+                            part = opened[file].get_slice(key)
+                            block[i, lo - r0 : hi - r0] = part[
+                                lo - start : hi - start, c0 : c0 + nc
+                            ]
+                        start += n
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(block.view(target.shape))
+                planner.commit_tensor(req, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.open_files(plan)
+        stacks = [i for i in plan.items if isinstance(self.storage_data[i.storage_index], _Stack)]
+        if stacks:
+            rest = [
+                i for i in plan.items if not isinstance(self.storage_data[i.storage_index], _Stack)
+            ]
+            plan = dataclasses.replace(plan, items=rest)
         try:
+            self._read_stacks(stacks, planner)
             return super().read_data(plan, planner)
         except Exception as e:
             raise ValueError(

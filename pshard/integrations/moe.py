@@ -12,12 +12,17 @@ Qwen2-MoE, Qwen3-MoE): the experts part of the transformers adapter
   block it is the same loss of the statistics (per-expert counts of top-k assignments, router
   probability sums, token count) summed over the map's ranks, each rank returning its share.
 - **The loss**: ``labels`` count their targets after the shift, ``labels[..., 1:] != -100``.
+- **Checkpoints**: the hub's files and ``save_pretrained`` store each expert apart,
+  ``<experts>.<e>.gate_proj.weight``, ``.up_proj.weight`` and ``.down_proj.weight`` (each
+  ``nn.Linear``'s ``(out, in)``); the module's ``gate_up_proj[e]`` is ``gate`` then ``up`` on
+  dim 0, ``down_proj[e]`` is ``down`` (what ``from_pretrained`` converts).
 """
 
 from __future__ import annotations
 
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -29,6 +34,7 @@ __all__ = ["MoeParts"]
 _STACKED = ("gate_up_proj", "down_proj")
 _IGNORE_INDEX = -100
 _BALANCE = "load_balancing_loss_func"
+_PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -131,6 +137,21 @@ class MoeParts:
             return loss / share
 
         return load_balancing_loss_func
+
+    def stacked_names(self, keys: Collection[str]) -> dict[str, list[list[str]]]:
+        found: dict[str, set[int]] = {}
+        for k in keys:
+            match = _PER_EXPERT.fullmatch(k)
+            if match is not None:
+                found.setdefault(match[1], set()).add(int(match[2]))
+        out: dict[str, list[list[str]]] = {}
+        for prefix, experts in found.items():
+            grid = [[f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+                    for e in range(max(experts) + 1)]  # fmt: skip
+            if all(k in keys for parts in grid for k in parts):  # every expert, every part
+                out[f"{prefix}.gate_up_proj"] = [parts[:2] for parts in grid]
+                out[f"{prefix}.down_proj"] = [parts[2:] for parts in grid]
+        return out
 
     def loss_items(self, kwargs: dict[str, Any]) -> torch.Tensor | None:
         labels = kwargs.get("labels")
