@@ -32,6 +32,7 @@ THREADS = ["--backend", "threads"]
         ("module_hooks.py", ["--nprocs", "2", *THREADS]),
         ("hf_llama.py", ["--nprocs", "2", "--steps", "3", "--checkpointing", *THREADS]),
         ("pipeline_llama.py", ["--steps", "2", *THREADS]),
+        ("moe_expert_parallel.py", ["--steps", "2", *THREADS]),
         (
             "functional_llama.py",
             ["--steps", "2", "--save-at", "1", "--microbatches", "1", *THREADS],
