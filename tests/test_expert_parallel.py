@@ -327,6 +327,10 @@ def _routing(case: str, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor, 
     index = index.reshape(rows, 2)
     if case == "one rank":  # every token of every rank to rank 0's experts (0 and 1, or 1 and 0)
         index = torch.tensor([[i % 2, 1 - i % 2] for i in range(rows)]).reshape(rows, 2)
+    if case == "none":  # expert 8 of 8: no expert (transformers' experts skip it)
+        index[::2, 1] = 8
+    if case == "bad" and rank == 1:
+        index[0, 0] = 9
     weights = torch.rand(rows, 2, generator=g).float()
     return hidden, index, weights
 
@@ -369,13 +373,29 @@ def rank_experts_call(case: str, n: int) -> tuple:
     )
 
 
-@pytest.mark.parametrize(("case", "n"), [("random", 2), ("one rank", 4), ("empty", 2)])
+@pytest.mark.parametrize(("case", "n"), [("random", 2), ("one rank", 4), ("empty", 2), ("none", 2)])
 def test_experts_call_matches_transformers(pool, case: str, n: int) -> None:
     """Each rank's tokens through the experts of every rank: the gradients of its tokens, its
     routing weights and its experts' blocks equal transformers' eager experts on all tokens."""
     for r, pairs in enumerate(pool.run(n, rank_experts_call, case, n)):
         for i, (got, want) in enumerate(pairs):
             torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}, value {i}")
+
+
+def test_a_router_choosing_no_expert_is_an_error_on_every_rank(pool) -> None:
+    texts = pool.run(2, _raises, rank_experts_call, "bad", 2)
+    for text in texts:
+        assert "the router of rank(s) [1] of 'ep' chose experts outside 0..7 (or 8 for none)" in (
+            text
+        ), text
+
+
+def _raises(fn, *args) -> str:
+    try:
+        fn(*args)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 # ---------------------------------------------------------------- composition

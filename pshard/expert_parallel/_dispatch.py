@@ -41,11 +41,26 @@ def dispatch(
     """``module``'s experts (this rank's ``local`` of them) on ``hidden`` (tokens, hidden)
     routed to the experts ``index`` (tokens, k) with ``weights`` (tokens, k), over ``axis``."""
     k = index.shape[-1]
+    total = size * local
     chosen = index.reshape(-1)
+    bad = bool(chosen.numel()) and not 0 <= int(chosen.min()) <= int(chosen.max()) <= total
     tokens = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(k)
-    order = torch.argsort(chosen, stable=True)
-    per_expert = torch.bincount(chosen, minlength=size * local).reshape(size, local)
-    coming = all_to_all(per_expert, axis, split_dim=0, concat_dim=0)
+    # by expert, stably; the choices of expert ``total`` (none, as transformers' experts skip
+    # it) sort last and stay home
+    counted = torch.bincount(chosen.clamp(0, total), minlength=total + 1)
+    per_expert = counted[:total].reshape(size, local)
+    order = torch.argsort(chosen, stable=True)[: int(per_expert.sum())]
+    # the counts each rank's experts get from every rank, and whether any rank's router chose
+    # an expert that does not exist (then every rank raises, before any row moves)
+    flag = torch.full((size, 1), int(bad), dtype=per_expert.dtype, device=per_expert.device)
+    got = all_to_all(torch.cat([per_expert, flag], dim=1), axis, split_dim=0, concat_dim=0)
+    if bool(got[:, -1].any()):
+        ranks = got[:, -1].nonzero().flatten().tolist()
+        raise ValueError(
+            f"expert_parallel: the router of rank(s) {ranks} of {axis!r} chose experts outside "
+            f"0..{total - 1} (or {total} for none); no token was sent"
+        )
+    coming = got[:, :-1]
     rows, counts = ragged_all_to_all(hidden[tokens[order]], per_expert.sum(dim=1), axis)
     ids = torch.arange(local, device=hidden.device).repeat(size)
     out = part.run_experts(module, rows, ids.repeat_interleave(coming.reshape(-1)))
