@@ -34,6 +34,8 @@ from ._core.type_specs import specs_of as specs_of
 from ._core.version import version as __version__  # noqa: F401
 from ._inspect.memory import memory_estimate as memory_estimate
 from ._inspect.visualize import visualize_sharding as visualize_sharding
+from ._jit.jit import jit as jit
+from ._jit.program import ConcretizationError as ConcretizationError
 from ._microbatch.batch_dim import infer_out_specs as infer_out_specs
 from ._microbatch.merge import merge as merge
 from ._microbatch.pmap import pmap_microbatch as pmap_microbatch
@@ -55,6 +57,7 @@ from ._runtime.mesh import init_mesh as init_mesh
 from ._runtime.mesh import use_mesh as use_mesh
 from ._runtime.spawn import SpawnError as SpawnError
 from ._runtime.spawn import spawn as spawn
+from ._runtime.tracing import NotTraceable as NotTraceable
 from ._shard_map.global_ops import from_callback as from_callback
 from ._shard_map.global_ops import from_dtensor as from_dtensor
 from ._shard_map.global_ops import from_local as from_local
@@ -182,4 +185,7 @@ __all__ = [
     "tensor_parallel_specs",
     "expert_parallel",
     "expert_parallel_specs",
+    "jit",
+    "ConcretizationError",
+    "NotTraceable",
 ]

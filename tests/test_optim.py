@@ -137,7 +137,9 @@ def test_pure_and_dtypes() -> None:
             assert torch.equal(x, y)
         kept = {id(x) for x in _leaves((params, grads, state))}
         assert not kept & {id(x) for x in _leaves((updates, new_state, new_params))}
-        assert all(x.dtype == f64 for x in _leaves((updates, new_state, new_params)))
+        moments = (new_state[1].mu, new_state[1].nu)
+        assert all(x.dtype == f64 for x in _leaves((updates, moments, new_params)))
+        assert new_state[1].count.dtype == torch.int64 and new_state[1].count.dim() == 0
         params, state = new_params, new_state
     # a schedule's count and bf16 parameters moved by float32 updates keep their dtype
     p16 = {"w": torch.ones(3, dtype=torch.bfloat16)}
@@ -234,7 +236,8 @@ def test_state_loaded_from_its_metadata(tmp_path: Any) -> None:
     assert isinstance(got_state[1], optim.ScaleByAdamState) and got_state[1].count == 2
     got_leaves, want_leaves = _leaves(ps.gather((got, got_state))), _leaves(ps.gather(want))
     want_leaves += _leaves(ps.gather(want_state))
-    assert len(got_leaves) == len(want_leaves) == 3 * 5 + 5  # updates, mu, nu, trace; 5 leaves
+    # updates, mu, nu, trace (5 leaves each) and the two counts
+    assert len(got_leaves) == len(want_leaves) == 3 * 5 + 5 + 2
     for a, b in zip(got_leaves, want_leaves, strict=True):
         assert torch.equal(a, b)
 

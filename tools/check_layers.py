@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pshard._remat",),
     ("pshard._shard_map",),
     ("pshard._modules",),
+    ("pshard._jit",),
     (
         "pshard._microbatch",
         "pshard.sequence",

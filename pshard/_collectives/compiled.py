@@ -1,148 +1,33 @@
-"""The collectives as ``torch.library`` custom ops, for code that ``torch.compile`` traces.
+"""The autograd rules of the collectives' custom ops (:mod:`pshard._runtime.ops`), for code that
+``torch.compile`` traces.
 
 Eager code runs the ``autograd.Function`` s of :mod:`pshard._collectives.rules` (every
 ``torch.func`` rule there); while dynamo traces, :func:`pshard._collectives.functions` puts one
-of these ops in the graph instead, so a collective is one node of the graph, not a graph break:
+of the ops in the graph instead, so a collective is one node of the graph, not a graph break.
+Each op's autograd rule here is its transpose (:func:`pshard._collectives.transposes.transpose`,
+the table the eager Functions use too), again one of the ops (``.backward()`` through a
+compiled region, and compiled backward graphs).
 
-* ``pshard::<name>(Tensor x, str axis, int size, int rank, ...)``: ``axis`` is the
-  :func:`pshard._runtime.wire.axis_key` of the axis and ``size``/``rank`` what it resolved to
-  when traced. Running the op resolves the key again in the current mesh, checks size and index
-  (:func:`pshard._runtime.wire.comm_at_run`) and calls the same raw collective as eager code;
-  debug checks run then too.
-* a fake (meta) rule gives the output's shape, so the tracer and inductor never communicate;
-* an autograd rule: the transpose (:func:`pshard._collectives.transposes.transpose`, the table
-  the eager Functions use too), again one of these ops (``.backward()`` through a compiled
-  region, and compiled backward graphs).
-
-Outputs are contiguous and never alias the input, as the fake rules say. ``torch.func``
-transforms inside a compiled region do not reach these ops: the graph breaks there, and the
-transform runs eagerly with the exact rules (dynamo traces an ``autograd.Function`` 's custom
-``jvp`` wrongly, and a custom op has no ``torch.func`` rules).
+``torch.func`` transforms inside a compiled region do not reach these ops: the graph breaks
+there, and the transform runs eagerly with the exact rules (dynamo traces an
+``autograd.Function`` 's custom ``jvp`` wrongly, and a custom op has no ``torch.func`` rules).
+``ps.jit`` traces those transforms itself, through the Functions' rules, down to the wire.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._runtime import wire
-from .._runtime.wire import Comm
-from .transposes import LINEAR, decode, encode, transpose
+from .._runtime.ops import OPS, decode, encode
+from .transposes import LINEAR, transpose
 
 __all__ = ["OPS"]
 
-
-def _run(key: str, size: int, rank: int, fn: str) -> Comm:
-    return wire.comm_at_run(key, size, rank, fn)
-
-
-@torch.library.custom_op("pshard::psum", mutates_args=())
-def _psum(x: torch.Tensor, axis: str, size: int, rank: int) -> torch.Tensor:
-    return wire.all_reduce(x, _run(axis, size, rank, "psum"), "psum")
-
-
-@torch.library.custom_op("pshard::pextreme", mutates_args=())
-def _pextreme(x: torch.Tensor, axis: str, size: int, rank: int, op: str) -> torch.Tensor:
-    return wire.all_reduce(x, _run(axis, size, rank, op), op)
-
-
-@torch.library.custom_op("pshard::all_gather", mutates_args=())
-def _all_gather(
-    x: torch.Tensor, axis: str, size: int, rank: int, dim: int, tiled: bool
-) -> torch.Tensor:
-    out = wire.all_gather(x, _run(axis, size, rank, "all_gather"), dim, tiled)
-    return out.contiguous()
-
-
-@torch.library.custom_op("pshard::psum_scatter", mutates_args=())
-def _psum_scatter(
-    x: torch.Tensor, axis: str, size: int, rank: int, dim: int, tiled: bool
-) -> torch.Tensor:
-    out = wire.reduce_scatter(x, _run(axis, size, rank, "psum_scatter"), dim, tiled)
-    return out.contiguous()
-
-
-@torch.library.custom_op("pshard::all_to_all", mutates_args=())
-def _all_to_all(
-    x: torch.Tensor, axis: str, size: int, rank: int, split_dim: int, concat_dim: int
-) -> torch.Tensor:
-    out = wire.all_to_all(x, _run(axis, size, rank, "all_to_all"), split_dim, concat_dim)
-    return out.contiguous()
-
-
-@torch.library.custom_op("pshard::ppermute", mutates_args=())
-def _ppermute(x: torch.Tensor, axis: str, size: int, rank: int, perm: list[int]) -> torch.Tensor:
-    pairs = tuple(zip(perm[::2], perm[1::2], strict=True))
-    return wire.ppermute(x, _run(axis, size, rank, "ppermute"), pairs)
-
-
-@torch.library.custom_op("pshard::broadcast", mutates_args=())
-def _broadcast(x: torch.Tensor, axis: str, size: int, rank: int, src: int) -> torch.Tensor:
-    return wire.broadcast(x, _run(axis, size, rank, "broadcast"), src)
-
-
-@torch.library.custom_op("pshard::reduce", mutates_args=())
-def _reduce(x: torch.Tensor, axis: str, size: int, rank: int, dst: int) -> torch.Tensor:
-    return wire.reduce(x, _run(axis, size, rank, "reduce"), dst)
-
-
-#: name -> the op of that collective; read-only.
-OPS: Mapping[str, Any] = MappingProxyType(
-    {
-        "psum": _psum,
-        "pextreme": _pextreme,
-        "all_gather": _all_gather,
-        "psum_scatter": _psum_scatter,
-        "all_to_all": _all_to_all,
-        "ppermute": _ppermute,
-        "broadcast": _broadcast,
-        "reduce": _reduce,
-    }
-)
-
-
-# --- shapes (fake rules) ----------------------------------------------------------------------
-
-
-def _same_shape(x: torch.Tensor, *_: Any) -> torch.Tensor:
-    return x.new_empty(x.shape)
-
-
-@_all_gather.register_fake
-def _(x: torch.Tensor, axis: str, size: int, rank: int, dim: int, tiled: bool) -> torch.Tensor:
-    shape = list(x.shape)
-    if tiled:
-        shape[dim] *= size
-    else:
-        shape.insert(dim, size)
-    return x.new_empty(shape)
-
-
-@_psum_scatter.register_fake
-def _(x: torch.Tensor, axis: str, size: int, rank: int, dim: int, tiled: bool) -> torch.Tensor:
-    shape = list(x.shape)
-    if tiled:
-        shape[dim] //= size
-    else:
-        del shape[dim]
-    return x.new_empty(shape)
-
-
-@_all_to_all.register_fake
-def _(
-    x: torch.Tensor, axis: str, size: int, rank: int, split_dim: int, concat_dim: int
-) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[split_dim] //= size
-    shape[concat_dim] *= size
-    return x.new_empty(shape)
-
-
-for _op in (_psum, _pextreme, _ppermute, _broadcast, _reduce):
-    _op.register_fake(_same_shape)
+_psum = OPS["psum"]
+_pextreme = OPS["pextreme"]
 
 
 # --- transposes (autograd rules) --------------------------------------------------------------

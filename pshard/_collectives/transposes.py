@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._runtime.ops import decode, encode
+
 __all__ = ["LINEAR", "batched", "decode", "encode", "transpose"]
 
 #: The linear collectives: each one's derivative is itself, its transpose another of them.
@@ -67,19 +69,3 @@ def batched(name: str, params: tuple[Any, ...]) -> tuple[Any, ...]:
         split_dim, concat_dim = params
         return split_dim + 1, concat_dim + 1
     return params
-
-
-def encode(name: str, params: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``params`` as a custom op's schema takes them (a permutation as a flat list of ints)."""
-    if name == "ppermute":
-        (perm,) = params
-        return ([i for pair in perm for i in pair],)
-    return params
-
-
-def decode(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The inverse of :func:`encode`."""
-    if name == "ppermute":
-        (flat,) = args
-        return (tuple(zip(flat[::2], flat[1::2], strict=True)),)
-    return tuple(args)

@@ -47,10 +47,16 @@ from .base import (
     aten_op as aten_op,
 )
 from .base import (
+    compile_backends as compile_backends,
+)
+from .base import (
     completed_work as completed_work,
 )
 from .base import (
     constant_source as constant_source,
+)
+from .base import (
+    data_dependent_errors as data_dependent_errors,
 )
 from .base import (
     dcp_metadata_classes as dcp_metadata_classes,
@@ -81,6 +87,9 @@ from .base import (
 )
 from .base import (
     group_count as group_count,
+)
+from .base import (
+    inductor_eager_random as inductor_eager_random,
 )
 from .base import (
     innermost as innermost,
@@ -122,6 +131,9 @@ from .base import (
     queue_backward_callback as queue_backward_callback,
 )
 from .base import (
+    real_tensors as real_tensors,
+)
+from .base import (
     register_torch_pytree as register_torch_pytree,
 )
 from .base import (
@@ -144,6 +156,9 @@ from .base import (
 )
 from .base import (
     top_transform as top_transform,
+)
+from .base import (
+    trace_graph as trace_graph,
 )
 from .base import (
     tracing as tracing,

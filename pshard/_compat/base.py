@@ -411,3 +411,52 @@ def completed_work(tensors: Sequence[torch.Tensor]) -> Any:
     fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
     fut.set_result(list(tensors))
     return _create_work_from_future(fut).boxed()
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Inside a ``make_fx`` trace: real tensors and real kernels for the block (fake-tensor and
+    proxy modes suspended), as if no trace ran."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+def trace_graph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.GraphModule:
+    """``make_fx`` of ``fn`` on fake copies of ``args`` (real tensors ``fn`` closes over are
+    constants of the graph): every operator it runs, through ``torch.func``'s transforms, as
+    aten ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """What a fake-tensor trace raises where Python reads a traced value (``.item()``,
+    ``bool(t)``) or an output's shape depends on values (``nonzero``)."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+@contextlib.contextmanager
+def inductor_eager_random() -> Iterator[None]:
+    """Inductor's random ops drawn by the eager kernels from torch's generator (the numbers
+    eager code draws), for the compilations in the block."""
+    import torch._inductor.config as config
+
+    with config.patch(fallback_random=True):
+        yield
+
+
+def compile_backends() -> list[str]:
+    """The names ``torch.compile`` takes as ``backend`` (imports dynamo)."""
+    import torch._dynamo
+
+    return list(torch._dynamo.list_backends(exclude_tags=()))

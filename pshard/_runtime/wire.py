@@ -5,6 +5,10 @@ their ``forward``. Every function takes contiguous copies only where the backend
 moves data with one ``torch.distributed`` call (``batch_isend_irecv`` for permutations); tensors are
 handed to the backend flattened to one dim, which every backend accepts for every layout.
 
+While ``ps.jit`` traces (:mod:`pshard._runtime.tracing`), these functions move no data: each
+returns the node of its collective that the trace emits (the ``*_start`` functions return it
+with no pending work), and the program communicates when it runs.
+
 One transport choice is made here: gloo's all-gathers of CPU tensors of
 :data:`PAIRWISE_GATHER_BYTES` and more per rank go as one batch of pairwise sends and receives
 (every rank's block straight into its slot of the output), which moves the same bytes 1.3 to 2
@@ -24,8 +28,9 @@ import torch.distributed as dist
 
 from .._compat import constant_result, resolve_group
 from .debug import check_collective, debug_enabled, perm_code
-from .mesh import Axis, resolve_axis
+from .mesh import Axis, AxisInfo, resolve_axis
 from .ranges import profiling, ranged
+from .tracing import active_trace, refuse
 from .turns import current_task
 
 T = TypeVar("T")
@@ -42,6 +47,7 @@ __all__ = [
     "broadcast",
     "comm",
     "comm_at_run",
+    "comm_of",
     "gather_into",
     "gather_parts",
     "pairwise",
@@ -87,7 +93,15 @@ def comm(axis: Axis, fn: str) -> Comm:
     when they run and check that it still gives this size and index)."""
     if torch.compiler.is_compiling():
         return _traced_comm(axis, fn)
+    if active_trace() is not None:  # ps.jit: the ops the trace emits resolve the key again
+        return _resolve(axis, fn)._replace(key=axis_key(axis))
     return _resolve(axis, fn)
+
+
+def comm_of(axis: Axis, info: AxisInfo, debug: bool) -> Comm:
+    """The :class:`Comm` of ``axis`` already resolved to ``info`` (with its key: the ops of a
+    traced program resolve it again when they run)."""
+    return Comm(info.group, info.size, info.rank, info.name, debug, info.order, axis_key(axis))
 
 
 def _resolve(axis: Axis, fn: str) -> Comm:
@@ -158,6 +172,12 @@ def _ranged(op: str | None) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return wrap
 
 
+def _emitted(name: str, x: torch.Tensor, c: Comm, *params: Any) -> torch.Tensor | None:
+    """While a trace is active: the node of collective ``name`` it emits; else ``None``."""
+    trace = active_trace()
+    return None if trace is None else trace.emit(name, x, c, params)
+
+
 def _peer(c: Comm, index: int) -> int:
     """The global rank of index ``index`` on the axis."""
     return _global(c.group, index if c.order is None else c.order[index])
@@ -182,6 +202,9 @@ def _by_group(blocks: torch.Tensor, c: Comm) -> torch.Tensor:
 
 @_ranged(None)
 def all_reduce(x: torch.Tensor, c: Comm, op: str) -> torch.Tensor:
+    if (t := _emitted(*(("psum",) if op == "psum" else ("pextreme",)), x, c,
+                      *(() if op == "psum" else (op,)))) is not None:  # fmt: skip
+        return t
     if c.debug:
         check_collective(op, c.group, c.name, x)
     out = x.clone(memory_format=torch.contiguous_format)
@@ -192,6 +215,8 @@ def all_reduce(x: torch.Tensor, c: Comm, op: str) -> torch.Tensor:
 
 @_ranged("all_gather")
 def all_gather(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
+    if (t := _emitted("all_gather", x, c, dim, tiled)) is not None:
+        return t
     if c.debug:
         check_collective("all_gather", c.group, c.name, x, (dim, int(tiled)))
     inp = x.contiguous()
@@ -206,6 +231,7 @@ def all_gather(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
 def gather_into(buf: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Every group rank's contiguous ``inp`` into ``buf[group rank]``; ``buf`` is contiguous,
     of shape ``(group size, *inp.shape)``."""
+    refuse("an all-gather into a buffer", "it writes into its argument")
     size = dist.get_world_size(group)
     if size > 1 and pairwise(inp, group):
         me = dist.get_rank(group)
@@ -242,6 +268,13 @@ def _gather_parts(
     ``i``'s parts, one per part, in order; ``recv[c.rank]`` are copied from ``send`` here. All
     contiguous. The pairwise all-gather of :func:`gather_into` without its buffer, for blocks
     whose parts land apart."""
+    if active_trace() is not None:  # each part gathered, then into its places
+        for j, part in enumerate(send):
+            blocks = _emitted("all_gather", part.contiguous(), c, 0, False)
+            assert blocks is not None
+            for i, parts in enumerate(recv):
+                parts[j].copy_(blocks[i])
+        return
     if c.debug:
         check_collective("all_gather", c.group, c.name, x)
     for dst, src in zip(recv[c.rank], send, strict=True):
@@ -282,6 +315,8 @@ def all_gather_start(x: torch.Tensor, c: Comm) -> tuple[torch.Tensor, list[Any]]
     collectives on a group in the same order, the pending ones included (they are matched in
     order, as the blocking ones are). The transport is :func:`all_gather`'s (gloo's large CPU
     blocks as pairwise sends and receives straight into their slots)."""
+    if (t := _emitted("all_gather", x, c, 0, False)) is not None:
+        return t, []
     if c.debug:
         check_collective("all_gather", c.group, c.name, x, (0, 0))
     inp = x.contiguous()
@@ -300,6 +335,8 @@ def reduce_scatter_start(x: torch.Tensor, c: Comm, dim: int) -> tuple[torch.Tens
     """Issue :func:`reduce_scatter` of ``x`` (``tiled=True``) and return at once: the output,
     this index's sum once ``wait(pending)`` returns, and the pending work, which holds what the
     transport reads (``x`` may be written to at once)."""
+    if (t := _emitted("psum_scatter", x, c, dim, True)) is not None:
+        return t, []
     if c.debug:
         check_collective("psum_scatter", c.group, c.name, x, (dim, 1))
     blocks = x.unflatten(dim, (c.size, -1))
@@ -311,6 +348,8 @@ def reduce_scatter_start(x: torch.Tensor, c: Comm, dim: int) -> tuple[torch.Tens
 
 @_ranged("psum_scatter")
 def reduce_scatter(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Tensor:
+    if (t := _emitted("psum_scatter", x, c, dim, tiled)) is not None:
+        return t
     if c.debug:
         check_collective("psum_scatter", c.group, c.name, x, (dim, int(tiled)))
     blocks = x.unflatten(dim, (c.size, -1)) if tiled else x.unsqueeze(dim + 1)
@@ -322,6 +361,8 @@ def reduce_scatter(x: torch.Tensor, c: Comm, dim: int, tiled: bool) -> torch.Ten
 
 @_ranged("all_to_all")
 def all_to_all(x: torch.Tensor, c: Comm, split_dim: int, concat_dim: int) -> torch.Tensor:
+    if (t := _emitted("all_to_all", x, c, split_dim, concat_dim)) is not None:
+        return t
     if c.debug:
         check_collective("all_to_all", c.group, c.name, x, (split_dim, concat_dim))
     inp = _by_group(x.unflatten(split_dim, (c.size, -1)).movedim(split_dim, 0), c).contiguous()
@@ -341,6 +382,8 @@ def ppermute_start(x: torch.Tensor, c: Comm, perm: Perm) -> tuple[torch.Tensor, 
     """Issue a ppermute and return at once: the output tensor (filled once ``wait(pending)``
     returns) and the pending work. ``x`` must not be written to before then. Every rank must
     issue its ppermutes in the same order (they are matched in order, per pair of ranks)."""
+    if (t := _emitted("ppermute", x, c, perm)) is not None:
+        return t, []
     if c.debug and c.group is not None:
         check_collective("ppermute", c.group, c.name, x, (perm_code(perm),))
     out = None
@@ -373,6 +416,8 @@ def _wait(pending: list[Any]) -> None:
 
 @_ranged("broadcast")
 def broadcast(x: torch.Tensor, c: Comm, src: int) -> torch.Tensor:
+    if (t := _emitted("broadcast", x, c, src)) is not None:
+        return t
     if c.debug:
         check_collective("broadcast", c.group, c.name, x, (src,))
     out = x.clone(memory_format=torch.contiguous_format)
@@ -382,6 +427,8 @@ def broadcast(x: torch.Tensor, c: Comm, src: int) -> torch.Tensor:
 
 @_ranged("reduce")
 def reduce(x: torch.Tensor, c: Comm, dst: int) -> torch.Tensor:
+    if (t := _emitted("reduce", x, c, dst)) is not None:
+        return t
     if c.debug:
         check_collective("reduce", c.group, c.name, x, (dst,))
     out = x.clone(memory_format=torch.contiguous_format)
@@ -397,6 +444,8 @@ def ragged_exchange(
     index order) sent to their indices; the rows received, grouped by source index
     (``recv[i]`` from index ``i``). Pairwise sends and receives of the parts that are not
     empty (every backend; both sides know every count)."""
+    refuse("ragged_all_to_all", "the rows each rank receives are data (their counts decide "
+           "the output's shape)")  # fmt: skip
     inp = x.contiguous()
     out = inp.new_empty((sum(recv), *inp.shape[1:]))
     starts = [sum(send[:i]) for i in range(c.size)]

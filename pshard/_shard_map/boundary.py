@@ -40,10 +40,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._compat import storage_key
 from .._core.caches import cached
 from .._core.checks import WIRE_DTYPES
 from .._core.layout_rules import index_runs
 from .._core.placements import Shard, StridedShard
+from .._runtime.tracing import outside_trace, refuse
 from .._runtime.wire import Comm, all_gather, all_reduce
 
 __all__ = [
@@ -191,7 +193,7 @@ def _slice(x: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
         if len(runs) == 1 and len(runs[0]) == x.shape[d]:
             continue
         out = _take(out, d, runs)
-    if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+    if storage_key(out) == storage_key(x):
         out = out.clone(memory_format=torch.contiguous_format)
     return out
 
@@ -201,7 +203,8 @@ def exchange_shapes(y: torch.Tensor, lay: BlockLayout) -> tuple[int, ...]:
     that the blocks are those of the layout."""
     c = lay.gather
     assert c is not None
-    rows = [tuple(r) for r in all_gather(shape_row(y), c, 0, False).tolist()]
+    with outside_trace():  # metadata: exchanged when a program is made, not in it
+        rows = [tuple(r) for r in all_gather(shape_row(y), c, 0, False).tolist()]
     return whole_shape(rows, lay)
 
 
@@ -297,6 +300,8 @@ def check_replicated(x: torch.Tensor, c: Comm, message: str) -> None:
     """Raise ``ValueError(message + which ranks differ)`` on every rank of ``c`` unless ``x`` has
     the same shape, dtype and values on all of them (a small all-gather of shapes, dtypes and
     digests, then one exact all-reduce of the values)."""
+    refuse("a check that values are replicated (check_rep=True, debug mode)",
+           "it reads the values")  # fmt: skip
     bits = _bits(x)
     n = bits.numel()
     weights = torch.arange(n, dtype=torch.int64, device=bits.device) * 0x9E3779B1 + 1

@@ -33,6 +33,7 @@ from .._core.global_tensor import (
 from .._core.layout_rules import index_runs
 from .._core.placements import P, Placement, Replicate, Shard, StridedShard, entry_of, entry_splits
 from .._core.tree import describe
+from .._runtime.tracing import outside_trace
 from .._runtime.wire import all_gather
 from .boundary import BlockLayout, FromBlocks, ToBlock, shape_row, whole_shape
 from .global_ops import check_block, global_layout
@@ -236,9 +237,10 @@ def _exchange(
     block's shape over all mapped axes, then each layout reads its gather group's rows."""
     if view.all is None or not ys:
         return [tuple(y.shape) for y in ys]
-    rows = [shape_row(y) for y in ys]
-    widths = [len(r) for r in rows]
-    table = all_gather(torch.cat(rows), view.all, 0, False).tolist()  # (ranks, sum(widths))
+    with outside_trace():  # metadata: exchanged when a program is made, not in it
+        rows = [shape_row(y) for y in ys]
+        widths = [len(r) for r in rows]
+        table = all_gather(torch.cat(rows), view.all, 0, False).tolist()  # (ranks, sum(widths))
     axes = [n for n in view.mapped if view.sizes[n] > 1]  # view.all's order, row-major
     sizes = [view.sizes[n] for n in axes]
     mine = [view.coord[n] for n in axes]

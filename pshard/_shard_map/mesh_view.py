@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._core.placements import P, Placement, Shard, StridedShard, entry_splits
 from .._runtime.debug import debug_enabled
 from .._runtime.mesh import resolve_axis
-from .._runtime.wire import Comm
+from .._runtime.wire import Comm, comm_of
 from .boundary import BlockLayout
 
 __all__ = ["MeshView", "axes_of", "block_layout"]
@@ -58,7 +58,7 @@ class MeshView:
                 self._comms[key] = None
             else:
                 info = resolve_axis(key, mesh=self.mesh, fn=self.fn)
-                self._comms[key] = Comm(info.group, info.size, info.rank, info.name, self.debug)
+                self._comms[key] = comm_of(key, info, self.debug)
         return self._comms[key]
 
     def coordinate(self) -> dict[str, int]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .._compat import is_wrapped
 from .._core.global_tensor import GlobalMeta, is_global
 from .._core.tree import keystr
+from .._runtime.tracing import outside_trace
 from .._runtime.wire import all_gather
 from .mesh_view import MeshView
 
@@ -78,6 +79,15 @@ def check_same_everywhere(
         ValueError: a leaf whose rows differ (the first), or ranks passing different numbers
             of leaves.
     """
+    with outside_trace():  # metadata: exchanged when a program is made, not in it
+        _check_same(leaves, view, error)
+
+
+def _check_same(
+    leaves: Sequence[tuple[str, Row]],
+    view: MeshView,
+    error: Callable[[str, dict[tuple[int, ...], list[int]]], str],
+) -> None:
     c = view.all
     if c is None:
         return

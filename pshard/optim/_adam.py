@@ -26,7 +26,17 @@ import torch
 
 from .._core.tree import describe
 from . import _kernels as kernels
-from ._base import GradientTransformation, Schedule, as_state, check_number, check_rate, rate_at
+from ._base import (
+    GradientTransformation,
+    Schedule,
+    as_state,
+    check_number,
+    check_rate,
+    count_of,
+    new_count,
+    next_count,
+    rate_at,
+)
 from ._leaves import Flat, cast, check_like, flatten, groups, prefix_flat
 
 __all__ = ["ScaleByAdamState", "adam", "adamw"]
@@ -36,14 +46,15 @@ class ScaleByAdamState(NamedTuple):
     """The state of :func:`adam` and :func:`adamw` (optax's ``ScaleByAdamState``).
 
     Attributes:
-        count: the number of updates applied (a Python int, as ``torch.optim`` keeps its step
-            on the CPU: schedules and bias corrections read it without a device sync).
+        count: the number of updates applied (a 0-d int64 tensor on the CPU, as
+            ``torch.optim`` keeps its step: schedules and bias corrections read it without a
+            device sync; while traced they compute with it).
         mu: the first moments, a tree like the parameters (each a ``GlobalTensor`` of its
             parameter's layout on trees of ``GlobalTensor`` s).
         nu: the second moments, likewise.
     """
 
-    count: int  # type: ignore[assignment]  # (shadows tuple.count, as in optax)
+    count: torch.Tensor  # type: ignore[assignment]  # (shadows tuple.count, as in optax)
     mu: Any
     nu: Any
 
@@ -73,13 +84,20 @@ def _updates(
     mus: list[torch.Tensor],
     denom: list[torch.Tensor],
     ps_: list[torch.Tensor] | None,
-    step: float,
-    decay: float,
+    step: Any,
+    decay: Any,
 ) -> list[torch.Tensor]:
     """``-step * mu / denom - decay * p`` (no decay term without ``ps_``). On the CPU, where
     torch's multi-tensor kernels are loops over the tensors anyway, in ``denom``'s own tensors
     (one allocation fewer: a fresh page costs more than a pass there); elsewhere in new tensors,
-    one multi-tensor kernel each."""
+    one multi-tensor kernel each. ``step`` and ``decay`` are floats, or 0-d tensors while
+    traced (then computed with the kernels' tensor forms)."""
+    if isinstance(step, torch.Tensor):
+        traced: list[torch.Tensor] = kernels.mul(mus, -step)
+        kernels.div_(traced, denom)
+        if ps_ is not None:
+            kernels.add_(traced, kernels.mul(ps_, -decay))
+        return traced
     if denom and denom[0].device.type == "cpu":
         for m, d in zip(mus, denom, strict=True):
             torch.div(m, d, out=d)
@@ -119,13 +137,13 @@ def _scale_by_adam(
             _flags(mask, params, p, fn)  # a mask that does not fit fails here already
         mu = p.rebuild([torch.zeros_like(b) for b in p.blocks])
         nu = p.rebuild([torch.zeros_like(b) for b in p.blocks])
-        return ScaleByAdamState(0, mu, nu)
+        return ScaleByAdamState(new_count(), mu, nu)
 
     def update(
         updates: Any, state: Any, params: Any = None, *, donate: bool = False
     ) -> tuple[Any, ScaleByAdamState]:
         state = as_state(state, ScaleByAdamState, fn)
-        count = state.count
+        count = count_of(state.count, fn)
         m = flatten(state.mu, fn, "state.mu")
         v = flatten(state.nu, fn, "state.nu")
         g = flatten(updates, fn, "grads")
@@ -145,10 +163,15 @@ def _scale_by_adam(
             decays = _flags(mask, params, p, fn)
 
         lr = rate_at(learning_rate, count, fn)
-        t = count + 1
-        root = math.sqrt(1 - b2**t)
-        step = lr * root / (1 - b1**t)
-        tiny = eps * root
+        if isinstance(count, torch.Tensor):  # traced: the scalars computed in the program
+            t = (count + 1).to(torch.float64)
+            root_t = torch.sqrt(1 - torch.pow(b2, t))
+            step: Any = lr * root_t / (1 - torch.pow(b1, t))
+            tiny: Any = eps * root_t
+        else:
+            root = math.sqrt(1 - b2 ** (count + 1))
+            step = lr * root / (1 - b1 ** (count + 1))
+            tiny = eps * root
         new_mu, new_nu = list(m.blocks), list(v.blocks)
         out: list[torch.Tensor] = list(g.blocks)
         with torch.no_grad() if donate else contextlib.nullcontext():
@@ -168,7 +191,8 @@ def _scale_by_adam(
                 us = _updates(mus, denom, ps_, step, lr * weight_decay)
                 for j, i in enumerate(idx):
                     new_mu[i], new_nu[i], out[i] = mus[j], nus[j], us[j]
-        return g.rebuild(out), ScaleByAdamState(t, m.rebuild(new_mu), v.rebuild(new_nu))
+        state_count = next_count(state.count)
+        return g.rebuild(out), ScaleByAdamState(state_count, m.rebuild(new_mu), v.rebuild(new_nu))
 
     return GradientTransformation(init, update)
 
@@ -197,7 +221,7 @@ def adam(
         >>> params = {"w": torch.tensor([1.0, -2.0])}
         >>> updates, state = tx.update({"w": torch.tensor([0.5, -3.0])}, tx.init(params))
         >>> updates["w"], state.count
-        (tensor([-0.1000,  0.1000]), 1)
+        (tensor([-0.1000,  0.1000]), tensor(1))
     """
     return _scale_by_adam("adam", learning_rate, b1, b2, eps, 0.0, None)
 

@@ -8,6 +8,12 @@ old ``state`` and of the incoming ``updates`` (JAX's ``donate_argnums``), and th
 the new state (and, where they can, the updates) into them in place instead of allocating new
 tensors; the caller must not read what it donated afterwards. :func:`apply_updates` takes
 ``donate=True`` for the parameters.
+
+**The step count** in a state is a 0-d integer tensor on the CPU (optax keeps an array): in
+eager code the transforms read it as an int (no device sync) and compute their scalars (the
+learning rate, Adam's bias corrections, clipping's factor) in Python floats; while traced
+(``ps.jit``, ``torch.compile``) they compute them with tensor operations on it, so that one
+program serves every step. The numbers are the same to rounding.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._compat import tracing
 from .._core.tree import article, describe
 from . import _kernels as kernels
 from ._leaves import check_like, flatten, groups
@@ -32,11 +39,54 @@ __all__ = [
     "check_number",
     "check_rate",
     "as_state",
+    "count_of",
+    "new_count",
+    "next_count",
+    "traced",
     "rate_at",
     "run_update",
 ]
 
-Schedule = Callable[[int], float]
+Schedule = Callable[[Any], Any]
+"""``count -> learning rate``: an int count gives a float, a tensor count a 0-d tensor."""
+
+
+def new_count() -> torch.Tensor:
+    """The count of a new state: 0, a 0-d int64 tensor on the CPU."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def traced(value: Any) -> bool:
+    """Whether ``value`` is a tensor being traced (its value unknown until the program runs)."""
+    return isinstance(value, torch.Tensor) and tracing([value])
+
+
+def count_of(count: Any, fn: str) -> int | torch.Tensor:
+    """The state's count to compute with: an int (read on the host), or the tensor itself
+    while traced.
+
+    Raises:
+        TypeError: not an integer count (a 0-d integer tensor, or an int of an older state).
+    """
+    if (
+        isinstance(count, torch.Tensor)
+        and count.dim() == 0
+        and not (count.is_floating_point() or count.is_complex() or count.dtype == torch.bool)
+    ):
+        return count if tracing([count]) else int(count)
+    if isinstance(count, int) and not isinstance(count, bool):
+        return count
+    raise TypeError(
+        f"{fn}: the state's count is {describe(count)}, not an integer count; pass the state "
+        f"init (or the last update, or ps.load) returned"
+    )
+
+
+def next_count(count: Any) -> torch.Tensor:
+    """The count after one more update (a tensor, whatever the state held)."""
+    if isinstance(count, torch.Tensor):
+        return count + 1
+    return torch.tensor(count + 1, dtype=torch.int64)
 
 
 class GradientTransformation(NamedTuple):
@@ -84,22 +134,28 @@ def check_rate(learning_rate: Any, fn: str) -> None:
         check_number(learning_rate, fn, "learning_rate")
 
 
-def rate_at(learning_rate: float | Schedule, count: int, fn: str) -> float:
+def rate_at(learning_rate: float | Schedule, count: int | torch.Tensor, fn: str) -> Any:
     """The learning rate for the update that follows ``count`` applied ones (a schedule is
-    called with ``count``, 0 at the first update, as optax's ``scale_by_schedule``).
+    called with ``count``, 0 at the first update, as optax's ``scale_by_schedule``): a float
+    for an int count; for a traced tensor count a schedule's 0-d tensor.
 
     Raises:
-        TypeError: ``count`` (the state's) is not an int, or the schedule returned something
-            other than a real number.
+        TypeError: the schedule returned something other than a real number (or, for a
+            tensor count, a 0-d floating tensor).
     """
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TypeError(
-            f"{fn}: the state's count is {describe(count)}, not an int; pass the state init "
-            f"(or the last update, or ps.load) returned"
-        )
     if not callable(learning_rate):
         return float(learning_rate)
     value = learning_rate(count)
+    if isinstance(count, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+            return value
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError(
+            f"{fn}: the learning-rate schedule returned {describe(value)} for a tensor step "
+            f"count (traced: ps.jit, torch.compile); a schedule returns a 0-d floating tensor "
+            f"for a tensor count (compute with torch operations on it)"
+        )
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         hint = " (a tensor: return .item())" if isinstance(value, torch.Tensor) else ""
         raise TypeError(

@@ -26,7 +26,7 @@ from .._core.tree import describe
 from .._runtime import stage_parts
 from .._runtime.mesh import mesh_for, resolve_axis
 from . import _kernels as kernels
-from ._base import EmptyState, GradientTransformation, check_number
+from ._base import EmptyState, GradientTransformation, check_number, traced
 from ._leaves import Flat, flatten, groups, prefix_flat
 
 __all__ = ["clip_by_global_norm", "global_norm"]
@@ -190,8 +190,9 @@ def clip_by_global_norm(max_norm: float, *, specs: Any = None) -> GradientTransf
     rounding, where optax divides by the norm and then multiplies by ``max_norm``). The norm is
     that of the whole values, however they are sharded (:func:`global_norm`); inside a map pass
     the blocks' ``specs``. On a CPU norm the comparison is made in Python and updates below the
-    threshold come back as they are; elsewhere the factor is a tensor (1 below the threshold:
-    the values stay bit for bit), so the step never waits for the device.
+    threshold come back as they are; elsewhere, and while traced (``ps.jit``,
+    ``torch.compile``: one program for every norm), the factor is a tensor (1 below the
+    threshold: the values stay bit for bit), so the step never waits for the device.
 
     Args:
         max_norm: the largest global norm let through.
@@ -223,7 +224,7 @@ def clip_by_global_norm(max_norm: float, *, specs: Any = None) -> GradientTransf
         flat = flatten(updates, fn, "updates")
         norm = norm_of(flat, specs, fn)
         factor: float | torch.Tensor
-        if norm.device.type == "cpu":
+        if norm.device.type == "cpu" and not traced(norm):
             value = float(norm)
             if value < limit:
                 return updates, EmptyState()

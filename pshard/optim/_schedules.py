@@ -3,16 +3,28 @@
 A schedule is ``count -> float``, ``count`` the number of updates already applied (0 at the
 first update, as optax's ``scale_by_schedule`` calls it). The values are optax's at float64
 (``jax_enable_x64``); they are computed in Python floats, so reading one costs no device sync.
+Called with a tensor count (a traced step: ``ps.jit``), the same formulas in float64 tensor
+operations give a 0-d tensor, so one program serves every step.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import torch
 
 from .._core.checks import check_int
 from ._base import Schedule, check_number
 
 __all__ = ["cosine_decay_schedule", "linear_schedule", "warmup_cosine_decay_schedule"]
+
+
+def _constant(value: float, count: Any) -> Any:
+    """``value``, as a 0-d float64 tensor for a tensor count."""
+    if isinstance(count, torch.Tensor):
+        return torch.full((), value, dtype=torch.float64, device=count.device)
+    return value
 
 
 def _steps(value: object, fn: str, arg: str) -> int:
@@ -43,9 +55,12 @@ def linear_schedule(
     steps = _steps(transition_steps, fn, "transition_steps")
     begin = max(_steps(transition_begin, fn, "transition_begin"), 0)
     if steps <= 0:
-        return lambda count: init
+        return lambda count: _constant(init, count)
 
-    def schedule(count: int) -> float:
+    def schedule(count: Any) -> Any:
+        if isinstance(count, torch.Tensor):
+            t = (count - begin).clamp(0, steps).to(torch.float64)
+            return (init - end) * (1 - t / steps) + end
         c = min(max(count - begin, 0), steps)
         return (init - end) * (1 - c / steps) + end
 
@@ -79,7 +94,11 @@ def cosine_decay_schedule(
     if steps <= 0:
         raise ValueError(f"{fn}: decay_steps must be positive, got {steps}")
 
-    def schedule(count: int) -> float:
+    def schedule(count: Any) -> Any:
+        if isinstance(count, torch.Tensor):
+            t = count.clamp(max=steps).to(torch.float64)
+            wave = 0.5 * (1 + torch.cos(math.pi * t / steps))
+            return init * ((1 - a) * wave**power + a)
         c = min(count, steps)
         cosine = 0.5 * (1 + math.cos(math.pi * c / steps))
         return init * ((1 - a) * cosine**power + a)
@@ -129,7 +148,9 @@ def warmup_cosine_decay_schedule(
         peak, total - warmup, 0.0 if peak == 0.0 else end / peak, exponent
     )
 
-    def schedule(count: int) -> float:
+    def schedule(count: Any) -> Any:
+        if isinstance(count, torch.Tensor):
+            return torch.where(count < warmup, rise(count), decay(count - warmup))
         return rise(count) if count < warmup else decay(count - warmup)
 
     return schedule

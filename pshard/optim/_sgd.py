@@ -17,7 +17,17 @@ import torch
 
 from .._core.tree import describe
 from . import _kernels as kernels
-from ._base import GradientTransformation, Schedule, as_state, check_number, check_rate, rate_at
+from ._base import (
+    GradientTransformation,
+    Schedule,
+    as_state,
+    check_number,
+    check_rate,
+    count_of,
+    new_count,
+    next_count,
+    rate_at,
+)
 from ._leaves import cast, check_like, flatten, groups
 
 __all__ = ["SgdState", "sgd"]
@@ -27,12 +37,13 @@ class SgdState(NamedTuple):
     """The state of :func:`sgd`.
 
     Attributes:
-        count: the number of updates applied (a Python int; what a schedule is called with).
+        count: the number of updates applied (a 0-d int64 tensor on the CPU; what a schedule
+            is called with).
         trace: the momentum buffers, a tree like the parameters (``GlobalTensor`` s of their
             parameters' layouts on trees of ``GlobalTensor`` s); ``None`` without momentum.
     """
 
-    count: int  # type: ignore[assignment]  # (shadows tuple.count, as in optax)
+    count: torch.Tensor  # type: ignore[assignment]  # (shadows tuple.count, as in optax)
     trace: Any
 
 
@@ -75,14 +86,14 @@ def sgd(
         p = flatten(params, fn, "params")
         p.check_floating(fn)
         if decay is None:
-            return SgdState(0, None)
-        return SgdState(0, p.rebuild([torch.zeros_like(b) for b in p.blocks]))
+            return SgdState(new_count(), None)
+        return SgdState(new_count(), p.rebuild([torch.zeros_like(b) for b in p.blocks]))
 
     def update(
         updates: Any, state: Any, params: Any = None, *, donate: bool = False
     ) -> tuple[Any, SgdState]:
         state = as_state(state, SgdState, fn)
-        lr = rate_at(learning_rate, state.count, fn)
+        lr = rate_at(learning_rate, count_of(state.count, fn), fn)
         g = flatten(updates, fn, "grads")
         g.check_floating(fn)
         out: list[torch.Tensor] = list(g.blocks)
@@ -97,7 +108,7 @@ def sgd(
                         us = kernels.mul(gs, -lr)
                     for j, i in enumerate(idx):
                         out[i] = us[j]
-            return g.rebuild(out), SgdState(state.count + 1, None)
+            return g.rebuild(out), SgdState(next_count(state.count), None)
         tr = flatten(state.trace, fn, "state.trace")
         check_like(g, tr, fn, "pass gradients of the params this state was made from")
         new_trace = list(tr.blocks)
@@ -122,6 +133,6 @@ def sgd(
                     us = kernels.mul(ts, -lr)
                 for j, i in enumerate(idx):
                     new_trace[i], out[i] = ts[j], us[j]
-        return g.rebuild(out), SgdState(state.count + 1, tr.rebuild(new_trace))
+        return g.rebuild(out), SgdState(next_count(state.count), tr.rebuild(new_trace))
 
     return GradientTransformation(init, update)

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._core.placements import Shard
 from .._runtime.debug import debug_enabled
 from .._runtime.mesh import resolve_axis
-from .._runtime.wire import Comm, all_gather, gather_parts, pairwise
+from .._runtime.wire import Comm, all_gather, comm_of, gather_parts, pairwise
 from .._shard_map.boundary import BlockLayout, FromBlocks, exchange_shapes
 from ._layouts import SeqLayout, along, pad_permute, place_blocks, take_blocks
 
@@ -240,11 +240,7 @@ class SeqBoundary:
         info = resolve_axis(names, mesh=mesh, fn=fn)
         self.fn, self.layout, self.mesh = fn, layout, mesh
         self.rank, self.size = info.rank, info.size
-        self.comm = (
-            None
-            if info.group is None
-            else Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
-        )
+        self.comm = None if info.group is None else comm_of(names, info, debug_enabled())
 
     def split(self, x: torch.Tensor, dim: int, pad: Any) -> torch.Tensor:
         """This rank's tokens of ``x`` along ``dim`` (padded with ``pad``, permuted); the

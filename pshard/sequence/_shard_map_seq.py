@@ -43,7 +43,7 @@ from .._core.tree import (
 )
 from .._runtime.debug import debug_enabled
 from .._runtime.mesh import mesh_for, resolve_axis
-from .._runtime.wire import Comm
+from .._runtime.wire import comm_of
 from .._shard_map.shard_map import Local, shard_map
 from ._context import SeqContext, normalize_axis, record_for_backward, sequence_context
 from ._layouts import SeqLayout, check_layout, pad_permute, unpermute_unpad
@@ -290,7 +290,7 @@ def shard_map_seq(
         compiling = torch.compiler.is_compiling()
         c = None  # the axis, in the order given (None for one rank)
         if info.group is not None:
-            c = Comm(info.group, info.size, info.rank, info.name, debug_enabled(), info.order)
+            c = comm_of(names, info, debug_enabled())
         if compiling:  # traceable: the permuted whole, shard_map's blocks
             check_mesh_order(names, m)
             flat = [

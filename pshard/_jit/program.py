@@ -1,0 +1,172 @@
+"""One program of ``ps.jit``: a function traced on one signature into a ``torch.fx`` graph of
+aten ops and ``pshard::`` collectives, then compiled.
+
+**Tracing** (:func:`lower`). ``make_fx`` runs the function on fake tensors of the arguments'
+shapes, through every ``torch.func`` transform, with a :class:`pshard._runtime.tracing.Trace`
+active: the wire emits each collective as its ``pshard::`` op (one node), metadata the ranks
+exchange is exchanged for real, once. Real tensors the function closes over are constants of
+the graph. Python that reads a traced value (``.item()``, ``bool(t)``, ``if loss > 0``) stops
+the trace with a :class:`ConcretizationError` naming the line; a call that cannot be part of a
+program (``ps.save``, ``ps.spawn``) with :class:`pshard._runtime.tracing.NotTraceable`.
+
+**Donation.** For each donated argument's tensor, the first output of its shape, dtype and
+device not yet given one is written into it at the end of the program (``copy_`` into the
+input, which the compilers turn into writes in place) and returned as it: the output shares
+the input's storage.
+
+**Compiling** (:meth:`Lowered.compile`): ``torch.compile`` of the graph (``fullgraph``, static
+shapes) with the chosen backend; inductor draws random numbers with the eager kernels (the
+numbers eager code draws, the generator left where eager leaves it).
+
+Internal interface: :class:`Lowered`, :class:`Compiled`, :class:`ConcretizationError`,
+:func:`lower`.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._compat import data_dependent_errors, inductor_eager_random, trace_graph
+from .._core.tree import tree_flatten, tree_unflatten
+from .._runtime.ops import emit
+from .._runtime.tracing import Trace, tracing
+from .signature import Flat, tensor_leaves, with_tensors
+
+__all__ = ["Compiled", "ConcretizationError", "Lowered", "lower"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(__file__)
+
+
+class ConcretizationError(RuntimeError):
+    """Python read a traced value while ``ps.jit`` traced (JAX's ``ConcretizationTypeError``):
+    a branch on it, ``bool``, ``float``, ``.item()``, ``.tolist()``, or an operation whose
+    output's shape depends on values."""
+
+
+class _Out:
+    """What the trace learns of the outputs: their structure and each leaf's kind."""
+
+    def __init__(self) -> None:
+        self.treedef: Any = None
+        self.kinds: list[Any] = []
+
+
+class Lowered:
+    """A traced program: ``graph`` (a ``torch.fx.GraphModule`` of aten and ``pshard::`` ops),
+    ``collectives`` (``(op name, axis)`` in program order), :meth:`as_text`, :meth:`compile`."""
+
+    def __init__(
+        self, graph: torch.fx.GraphModule, collectives: list[Any], out: _Out, flat: Flat, name: str
+    ) -> None:
+        self.graph = graph
+        self.collectives = collectives
+        self._out = out
+        self._flat = flat
+        self._name = name
+
+    def as_text(self) -> str:
+        """The program as Python code (``GraphModule.print_readable``)."""
+        return self.graph.print_readable(print_output=False)
+
+    def compile(self, backend: str | Callable[..., Any] = "inductor") -> Compiled:
+        """The program compiled by ``backend`` (``"inductor"``, ``"aot_eager"``, or any
+        ``torch.compile`` backend)."""
+        return Compiled(self, backend)
+
+
+class Compiled:
+    """A compiled program: called with arguments of its signature, returns ``fn``'s result."""
+
+    def __init__(self, lowered: Lowered, backend: str | Callable[..., Any]) -> None:
+        self.lowered = lowered
+        self._program = torch.compile(lowered.graph, backend=backend, fullgraph=True, dynamic=False)
+        self._eager_random = backend == "inductor"
+        self._first = True
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The program on the call's tensor leaves; the result rebuilt."""
+        if self._first and self._eager_random:
+            with inductor_eager_random():  # read when the first call compiles
+                flat = self._program(*tensors)
+        else:
+            flat = self._program(*tensors)
+        self._first = False
+        out = self.lowered._out
+        return tree_unflatten(out.treedef, with_tensors(out.kinds, flat))
+
+    def __call__(self, *args: Any) -> Any:
+        flat = self.lowered._flat
+        from .signature import flatten_call  # the same flattening as the call that traced
+
+        now = flatten_call(args, tuple(flat.static), flat.donated and (), self.lowered._name)
+        if now.key != flat.key:
+            raise TypeError(
+                f"{self.lowered._name}: these arguments do not have the signature the program "
+                f"was traced for (shapes, dtypes, structure, static values or the mesh differ)"
+            )
+        return self.run(now.tensors)
+
+
+def lower(fn: Callable[..., Any], flat: Flat, name: str) -> Lowered:
+    """Trace ``fn`` on the signature of ``flat`` (see the module docs)."""
+    out = _Out()
+    trace = Trace(emit)
+    donated = set(flat.donated)
+
+    def program(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        result = fn(*flat.rebuild(tensors))
+        leaves, treedef = tree_flatten(result)
+        results, kinds = tensor_leaves(leaves)
+        out.treedef, out.kinds = treedef, kinds
+        return _donate(results, [(i, tensors[i]) for i in sorted(donated)])
+
+    with tracing(trace):
+        try:
+            graph = trace_graph(program, flat.tensors)
+        except data_dependent_errors() as e:
+            raise ConcretizationError(_concretization_message(e, name)) from None
+    return Lowered(graph, list(trace.collectives), out, flat, name)
+
+
+def _donate(
+    results: list[torch.Tensor], donated: list[tuple[int, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Each donated input takes the first result of its shape, dtype and device not yet
+    taken (written into it; the input returned in its place)."""
+    taken: set[int] = set()
+    out = list(results)
+    for _, inp in donated:
+        if inp.requires_grad:
+            continue
+        for j, r in enumerate(results):
+            if j in taken or r.shape != inp.shape or r.dtype != inp.dtype or r.device != inp.device:
+                continue
+            taken.add(j)
+            inp.copy_(r)
+            out[j] = inp
+            break
+    return out
+
+
+def _concretization_message(e: BaseException, name: str) -> str:
+    """The error for Python reading a traced value: what it did, and the line (the innermost
+    frame outside torch and this room)."""
+    where = "an unknown line"
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if not frame.filename.startswith((_TORCH_DIR, _HERE)):
+            where = f"{frame.filename}:{frame.lineno} ({frame.line})"
+            break
+    what = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return (
+        f"{name}: Python read the value of a traced tensor at {where} ({what}); ps.jit traces "
+        f"with abstract values, so a branch on a tensor, bool(t), float(t), t.item() or "
+        f"t.tolist(), and operations whose output shape depends on values (nonzero, masked "
+        f"indexing), cannot run while tracing: compute with tensor operations (torch.where), "
+        f"make the value a static argument (static_argnums), or call that code outside ps.jit"
+    )
