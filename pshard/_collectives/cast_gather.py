@@ -28,6 +28,8 @@ unit's). Results are the same bits either way.
 The gather runs inside one operator, ``pshard::cast_gather`` (the plan and the slot travel
 beside it in a context variable): ``ps.checkpoint``'s tape then sees the same operator whether
 the data came from a prefetch or from a gather run there, and recomputes it as one value.
+While ``ps.jit`` traces, the gather runs as its collectives instead (each a node of the
+program).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .._core.layout_rules import index_runs
 from .._core.placements import Shard, StridedShard
 from .._runtime import wire
 from .._runtime.streams import SideStream
+from .._runtime.tracing import active_trace
 from .._runtime.wire import Comm
 from . import apply
 from .apply import call, eager_rules
@@ -390,6 +393,9 @@ def _(blocks: list[torch.Tensor], plan_id: int) -> list[torch.Tensor]:
 
 
 def _gather(plan: UnitPlan, slot: Slot | None, blocks: Sequence[torch.Tensor]) -> list[Any]:
+    if active_trace() is not None:  # a program (ps.jit): its collectives, node by node
+        taken = None if slot is None else slot.take(blocks)
+        return taken if taken is not None else PendingGather(plan, blocks).wait()
     token = _CARRIED.set((id(plan), plan, slot))
     try:
         return list(_cast_gather_op(list(blocks), id(plan)))

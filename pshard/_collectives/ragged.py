@@ -19,6 +19,7 @@ from .._core.tree import describe
 from .._runtime import wire
 from .._runtime.debug import check_collective
 from .._runtime.mesh import Axis
+from .._runtime.tracing import refuse
 from .._runtime.wire import Comm
 from .._runtime.wire import comm as _comm
 from .apply import call, eager_rules
@@ -104,6 +105,7 @@ def ragged_all_to_all(x: torch.Tensor, send_counts: torch.Tensor, axis: Axis) ->
         >>> y.shape, counts
         (torch.Size([3, 2]), tensor([3]))
     """
+    refuse(_FN, "the rows each rank receives are data (their counts decide the output's shape)")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise TypeError(f"{_FN}: x must be a tensor with a dim of rows, got {describe(x)}")
     c = _comm(axis, _FN)

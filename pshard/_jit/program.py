@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._compat import data_dependent_errors, inductor_eager_random, trace_graph
-from .._core.tree import tree_flatten, tree_unflatten
+from .._core.tree import keystr, leaf_path, tree_flatten, tree_unflatten
 from .._runtime.ops import emit
 from .._runtime.tracing import Trace, tracing
 from .signature import Flat, tensor_leaves, with_tensors
@@ -45,8 +45,8 @@ _HERE = os.path.dirname(__file__)
 
 class ConcretizationError(RuntimeError):
     """Python read a traced value while ``ps.jit`` traced (JAX's ``ConcretizationTypeError``):
-    a branch on it, ``bool``, ``float``, ``.item()``, ``.tolist()``, or an operation whose
-    output's shape depends on values."""
+    a branch on it, ``bool``, ``float``, ``.item()``, ``.tolist()``. (An operation whose
+    output's shape depends on values, ``x[x > 0]``, is traced with a symbolic size.)"""
 
 
 class _Out:
@@ -122,6 +122,13 @@ def lower(fn: Callable[..., Any], flat: Flat, name: str) -> Lowered:
     def program(*tensors: torch.Tensor) -> list[torch.Tensor]:
         result = fn(*flat.rebuild(tensors))
         leaves, treedef = tree_flatten(result)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise ConcretizationError(
+                    f"{name}: the result {keystr(leaf_path(treedef, i), 'result')} is a Python "
+                    f"number read from a traced tensor (.item(), .tolist(), float(t)); a "
+                    f"program returns tensors: return the tensor itself"
+                )
         results, kinds = tensor_leaves(leaves)
         out.treedef, out.kinds = treedef, kinds
         return _donate(results, [(i, tensors[i]) for i in sorted(donated)])
@@ -131,7 +138,15 @@ def lower(fn: Callable[..., Any], flat: Flat, name: str) -> Lowered:
             graph = trace_graph(program, flat.tensors)
         except data_dependent_errors() as e:
             raise ConcretizationError(_concretization_message(e, name)) from None
+    # checks whose results nothing reads (transforms compare shapes as they go) go; every
+    # collective stays, used or not (each rank issues the same ones)
+    graph.graph.eliminate_dead_code(is_impure_node=_kept)
+    graph.recompile()
     return Lowered(graph, list(trace.collectives), out, flat, name)
+
+
+def _kept(node: torch.fx.Node) -> bool:
+    return node.is_impure() or str(node.target).startswith("pshard.")
 
 
 def _donate(
@@ -166,7 +181,6 @@ def _concretization_message(e: BaseException, name: str) -> str:
     return (
         f"{name}: Python read the value of a traced tensor at {where} ({what}); ps.jit traces "
         f"with abstract values, so a branch on a tensor, bool(t), float(t), t.item() or "
-        f"t.tolist(), and operations whose output shape depends on values (nonzero, masked "
-        f"indexing), cannot run while tracing: compute with tensor operations (torch.where), "
+        f"t.tolist() cannot run while tracing: compute with tensor operations (torch.where), "
         f"make the value a static argument (static_argnums), or call that code outside ps.jit"
     )

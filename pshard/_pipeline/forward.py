@@ -22,6 +22,7 @@ import torch
 from .. import _compat as compat
 from .._core.checks import check_int
 from .._runtime.mesh import Axis
+from .._runtime.tracing import refuse
 from .executor import Executor
 from .setup import Prepared, check_stages, prepare
 from .stage_call import differentiable, flat
@@ -288,6 +289,7 @@ def pipeline(
         >>> y.shape, w.grad.shape
         (torch.Size([4, 3]), torch.Size([3, 3]))
     """
+    refuse(_FN, "its schedule sends between stages as it goes (jit each stage's function)")
     check_stages(stages, _FN)
     count = check_int(_FN, "num_microbatches", num_microbatches, minimum=1)
 

@@ -21,6 +21,7 @@ from .._core.checks import WIRE_DTYPES, check_int
 from .._core.tree import NAMESPACE, describe
 from .._runtime import stage_parts
 from .._runtime.mesh import Axis, current_mesh
+from .._runtime.tracing import refuse
 from .executor import loss_code
 from .schedule import SCHEDULES
 from .setup import Prepared, check_stages, prepare
@@ -130,6 +131,7 @@ def pipeline_value_and_grad(
         >>> round(loss.item(), 4), grads.shape
         (6.9603, torch.Size([3, 3]))
     """
+    refuse(_FN, "its schedule sends between stages as it goes (jit each stage's function)")
     check_stages(stages, _FN)
     if not callable(loss_fn):
         raise TypeError(f"{_FN}: loss_fn must be a function loss_fn(y, targets), got "

@@ -23,6 +23,7 @@ import torch
 from .gang import TERM_WAIT_S, Gang
 from .messages import RemoteTraceback, SpawnError, Task
 from .threads import run_threads
+from .tracing import refuse
 
 __all__ = ["RemoteTraceback", "SpawnError", "check_fn", "pickle_task", "spawn"]
 
@@ -224,6 +225,7 @@ def spawn(
     if not callable(fn):
         raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
     check_not_generator(fn, "spawn")
+    refuse("ps.spawn", "it starts ranks (spawn them first; each rank runs its program)")
     if backend == "threads":
         return run_threads(fn, args, {}, nprocs, timeout, "spawn")
     if backend == "nccl" and torch.cuda.device_count() < nprocs:

@@ -8,6 +8,8 @@ import os
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._runtime.tracing import refuse
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -94,6 +96,7 @@ def save(
     """
     from .save import save as run  # torch.distributed.checkpoint, loaded at the first call
 
+    refuse("ps.save", "it writes files (save the program's results after it runs)")
     return run(path, tree, async_save=async_save, format=format, config=config)
 
 
@@ -127,6 +130,7 @@ def load_metadata(path: str | os.PathLike[str]) -> Any:
     """
     from .load import load_metadata as run  # torch.distributed.checkpoint, loaded at the first call
 
+    refuse("ps.load_metadata", "it reads files")
     return run(path)
 
 
@@ -210,6 +214,7 @@ def load(
     from .load import like_from_specs
     from .load import load as run  # torch.distributed.checkpoint, loaded at the first call
 
+    refuse("ps.load", "it reads files (load before the program runs, and pass what it read)")
     if (like is _NOT_GIVEN) == (specs is _NOT_GIVEN):
         raise TypeError(
             "load: give either like (the tree to read into) or specs (the layouts to read "

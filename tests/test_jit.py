@@ -1,0 +1,311 @@
+"""ps.jit against eager: every collective a node of one program (counted, in order, with its
+axis), torch.func transforms of shard_map, a whole FSDP training step (sharded_call, clipping,
+AdamW with a schedule, apply_updates) over several steps with one program, GlobalTensors in and
+out, donation, the cache and its signature, dropout's numbers, the errors (a value read while
+tracing naming its line, calls that cannot be traced), threads and gloo processes; the
+aot_eager backend (the same trace, no code generation) except one inductor step."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import pshard as ps
+from pshard import P
+
+f64 = torch.float64
+EXACT = {"rtol": 1e-10, "atol": 1e-12}
+AOT = "aot_eager"
+
+
+def _x(r: int, *shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 10 * r)
+    return torch.randn(*shape, dtype=f64, generator=g)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _all_collectives(x: torch.Tensor) -> torch.Tensor:
+    a = ps.psum(torch.sin(x), "x")
+    b = ps.pmax(x * 2, "x")
+    c = ps.all_gather(a + b, "x", dim=0)
+    d = ps.psum_scatter(c * 3, "x", dim=0)
+    e = ps.all_to_all(d.reshape(2, -1), "x", split_dim=1, concat_dim=0)
+    f = ps.ppermute(e, "x", [(0, 1), (1, 0)])
+    return ps.broadcast(f, "x", src=1).sum() + ps.pmin(x, "x").sum()
+
+
+def rank_collectives() -> tuple:
+    ps.init_mesh({"x": 2})
+    x = _x(ps.axis_index("x"), 4, 3)
+    jitted = ps.jit(_all_collectives, backend=AOT)
+    lowered = jitted.lower(x)
+    got = jitted(x)
+    grad = ps.jit(torch.func.grad(_all_collectives), backend=AOT)(x)
+    return (got, _all_collectives(x)), (grad, torch.func.grad(_all_collectives)(x)), lowered
+
+
+def test_collectives_are_nodes_of_one_program(pool) -> None:
+    for r, ((got, want), (grad, grad_want), lowered) in enumerate(pool.run(2, rank_collectives)):
+        torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
+        torch.testing.assert_close(grad, grad_want, **EXACT, msg=f"rank {r}")
+        names = [name for name, _ in lowered.collectives]
+        assert names == ["psum", "pextreme", "all_gather", "psum_scatter", "all_to_all",
+                         "ppermute", "broadcast", "pextreme"], names  # fmt: skip
+        assert {axis for _, axis in lowered.collectives} == {"x"}
+        targets = [str(n.target) for n in lowered.graph.graph.nodes if n.op == "call_function"]
+        pshard_ops = [t for t in targets if t.startswith("pshard.")]
+        assert len(pshard_ops) == len(names)
+        assert not [t for t in targets if "c10d" in t], "raw c10d calls in the program"
+        assert "pshard.psum" in lowered.as_text()
+
+
+# ---------------------------------------------------------------- transforms of shard_map
+
+
+def _loss(w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    def body(w, d):
+        return ps.psum((torch.tanh(d @ w.T) ** 2).sum(), "x")
+
+    return ps.shard_map(body, in_specs=(P(), P("x")), out_specs=P())(w, d)
+
+
+def rank_transforms() -> list:
+    ps.init_mesh({"x": 2})
+    w, d = _x(0, 4, 3), _x(0, 8, 3, seed=1)
+    t = _x(0, 4, 3, seed=2)
+    cases = {
+        "grad": lambda w, d: torch.func.grad(_loss)(w, d),
+        "vjp": lambda w, d: torch.func.vjp(lambda w: _loss(w, d), w)[1](torch.ones((), dtype=f64)),
+        "jvp": lambda w, d: torch.func.jvp(lambda w: _loss(w, d), (w,), (t,)),
+        "hessian-vector": lambda w, d: torch.func.jvp(
+            lambda w: torch.func.grad(_loss)(w, d), (w,), (t,)
+        )[1],
+        "per-example grads": lambda w, d: torch.func.vmap(
+            torch.func.grad(lambda w, row: (torch.tanh(row @ w.T) ** 2).sum()), (None, 0)
+        )(w, d),
+    }  # fmt: skip
+    return [(k, ps.jit(f, backend=AOT)(w, d), f(w, d)) for k, f in cases.items()]
+
+
+def test_torch_func_transforms_of_shard_map(pool) -> None:
+    for r, results in enumerate(pool.run(2, rank_transforms)):
+        for name, got, want in results:
+            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}: {name}")
+
+
+# ---------------------------------------------------------------- a training step
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 4),
+    ).double()  # fmt: skip
+
+
+def _training(model: torch.nn.Module, mesh: str) -> tuple:
+    """``step(params, state, x, y) -> (params, state, loss)``: FSDP over ``mesh`` with
+    sharded_call, clipping and AdamW on a schedule."""
+    specs = P(mesh)
+    tx = ps.optim.chain(
+        ps.optim.clip_by_global_norm(0.05),
+        ps.optim.adamw(ps.optim.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 6), weight_decay=0.1),
+    )
+
+    def loss(params, x, y):
+        def body(blocks, x, y):
+            out = ps.sharded_call(model, blocks, (x,), specs=specs, units=[torch.nn.Linear])
+            return ps.psum(((out - y) ** 2).sum(), mesh) / 16
+
+        return ps.shard_map(body, in_specs=(specs, P(mesh), P(mesh)), out_specs=P())(params, x, y)
+
+    def step(params, state, x, y):
+        grads, value = torch.func.grad_and_value(loss)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return ps.optim.apply_updates(params, updates), state, value
+
+    return tx, step
+
+
+def rank_training(backend: str, steps: int) -> dict:
+    ps.init_mesh({"dp": torch.distributed.get_world_size()})
+    model = _model()
+    tx, step = _training(model, "dp")
+    params = ps.shard({k: v.detach() for k, v in model.named_parameters()}, P("dp"))
+    state = tx.init(params)
+    jitted = ps.jit(step, donate_argnums=(0, 1), backend=backend)
+    eager, compiled = (
+        (params, state),
+        (
+            {k: ps.GlobalTensor(v.local.clone(), v.meta) for k, v in params.items()},
+            tx.init(params),
+        ),
+    )
+    losses = []
+    donated_kept = []
+    for i in range(steps):
+        x, y = _x(i, 16, 8, seed=5), _x(i, 16, 4, seed=6)
+        *eager, want = step(*eager, x, y)
+        before = {k: v.local.untyped_storage().data_ptr() for k, v in compiled[0].items()}
+        *compiled, got = jitted(*compiled, x, y)
+        donated_kept.append(
+            all(compiled[0][k].local.untyped_storage().data_ptr() == p for k, p in before.items())
+        )
+        losses.append((got, want))
+    return {
+        "losses": losses,
+        "params": [(compiled[0][k].local, eager[0][k].local) for k in eager[0]],
+        "moments": [(compiled[1][1].mu[k].local, eager[1][1].mu[k].local) for k in eager[0]],
+        "count": (compiled[1][1].count, eager[1][1].count),
+        "programs": jitted.cache_size(),
+        "global": all(isinstance(v, ps.GlobalTensor) for v in compiled[0].values()),
+        "donated": donated_kept,
+    }
+
+
+def _check_training(results: list[dict], tol: dict) -> None:
+    for r, res in enumerate(results):
+        for got, want in res["losses"]:
+            torch.testing.assert_close(got, want, **tol, msg=f"rank {r}")
+        for got, want in res["params"] + res["moments"]:
+            torch.testing.assert_close(got, want, **tol, msg=f"rank {r}")
+        assert int(res["count"][0]) == int(res["count"][1])
+        assert res["programs"] == 1, "one program serves every step"
+        assert res["global"] and all(res["donated"]), res["donated"]
+
+
+def test_a_training_step_is_one_program(pool) -> None:
+    _check_training(pool.run(2, rank_training, AOT, 4), EXACT)
+
+
+def test_a_training_step_on_gloo_processes(procs) -> None:
+    _check_training(procs.run(2, rank_training, AOT, 2), EXACT)
+
+
+def test_a_training_step_with_inductor(pool) -> None:
+    """Generated code: the same numbers to float64 rounding (its own order of operations)."""
+    _check_training(pool.run(2, rank_training, "inductor", 2), {"rtol": 1e-9, "atol": 1e-12})
+
+
+# ---------------------------------------------------------------- signatures and the cache
+
+
+def test_the_cache_and_the_signature() -> None:
+    ps.init_mesh({"x": 1})
+    traced = []
+
+    def f(x, scale, n):
+        traced.append(n)  # a side effect: at trace time only
+        return x * scale + n
+
+    jitted = ps.jit(f, static_argnums=(2,), backend=AOT)
+    x = torch.ones(3, dtype=f64)
+    assert torch.equal(jitted(x, 2.0, 1), f(x, 2.0, 1))
+    jitted(x + 1, 2.0, 1)  # new values, the same signature
+    assert jitted.cache_size() == 1 and traced == [1, 1]  # (one trace; one eager call above)
+    jitted(x, 3.0, 1)  # a non-tensor leaf is part of the signature
+    jitted(x, 2.0, 2)  # so is a static argument
+    jitted(torch.ones(4, dtype=f64), 2.0, 1)  # and a shape
+    jitted(torch.ones(3), 2.0, 1)  # and a dtype
+    assert jitted.cache_size() == 5
+    with pytest.raises(TypeError, match="static argument 0 is a list"):
+        ps.jit(f, static_argnums=0, backend=AOT)([1], 2.0, 1)
+
+
+def test_nested_jit_is_part_of_the_outer_program() -> None:
+    ps.init_mesh({"x": 1})
+    inner = ps.jit(lambda x: x * 2, backend=AOT)
+    outer = ps.jit(lambda x: inner(x) + 1, backend=AOT)
+    x = torch.ones(2, dtype=f64)
+    assert torch.equal(outer(x), x * 2 + 1) and inner.cache_size() == 0
+
+
+def test_dropout_draws_the_eager_numbers() -> None:
+    ps.init_mesh({"x": 1})
+
+    def f(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) * 3
+
+    jitted = ps.jit(f, backend=AOT)
+    x = torch.ones(64, dtype=f64)
+    jitted(x)  # traced (and a first draw)
+    torch.manual_seed(7)
+    got = jitted(x)
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    want = f(x)
+    assert torch.equal(got, want)
+    assert torch.equal(after, torch.rand(3)), "the generator is left where eager leaves it"
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_python_reading_a_traced_value_names_the_line() -> None:
+    ps.init_mesh({"x": 1})
+
+    def f(x):
+        if x.sum() > 0:  # the line the error names
+            return x
+        return -x
+
+    with pytest.raises(ps.ConcretizationError) as info:
+        ps.jit(f, backend=AOT)(torch.ones(2))
+    text = str(info.value)
+    assert re.search(r"test_jit\.py:\d+ \(if x\.sum\(\) > 0:", text), text
+    assert "static_argnums" in text
+    with pytest.raises(ps.ConcretizationError, match=r"the result result\[0\] is a Python number"):
+        ps.jit(lambda x: x.tolist(), backend=AOT)(torch.ones(2))
+
+
+def test_an_output_shape_that_depends_on_values() -> None:
+    """Not Python reading a value: the program's sizes are symbols, right for every call."""
+    ps.init_mesh({"x": 1})
+    jitted = ps.jit(lambda x: x[x > 0] * 2, backend=AOT)
+    for x in (torch.tensor([1.0, -1.0, 2.0]), torch.tensor([1.0, 1.0, 2.0])):
+        assert torch.equal(jitted(x), x[x > 0] * 2)
+    assert jitted.cache_size() == 1
+
+
+def rank_untraceable(tmp: str) -> list[str]:
+    ps.init_mesh({"ep": 2})
+    x = torch.ones(4, 2)
+    calls = {
+        "save": lambda x: ps.save(tmp, {"x": x}),
+        "spawn": lambda x: ps.spawn(lambda: None, nprocs=1, backend="threads"),
+        "ragged": lambda x: ps.ragged_all_to_all(x, torch.tensor([2, 2]), "ep")[0],
+    }
+    out = []
+    for fn in calls.values():
+        try:
+            ps.jit(fn, backend=AOT)(x)
+        except ps.NotTraceable as e:
+            out.append(str(e))
+    return out
+
+
+def test_what_cannot_be_traced_is_an_error(pool, tmp_path) -> None:
+    for texts in pool.run(2, rank_untraceable, str(tmp_path / "ckpt")):
+        assert len(texts) == 3, texts
+        assert texts[0].startswith("ps.save cannot be part of a ps.jit program: it writes files")
+        assert texts[1].startswith("ps.spawn cannot be part of a ps.jit program")
+        assert texts[2].startswith("ragged_all_to_all cannot be part of a ps.jit program")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_bad_calls() -> None:
+    ps.init_mesh({"x": 1})
+    jitted = ps.jit(lambda x: x + 1, backend=AOT)
+    with pytest.raises(TypeError, match="keyword arguments are not traced"):
+        jitted(x=torch.ones(1))
+    with pytest.raises(RuntimeError, match="called inside a torch.func transform"):
+        torch.func.grad(lambda x: jitted(x).sum())(torch.ones(2))
+    with pytest.raises(ValueError, match="unknown backend 'no such backend'"):
+        ps.jit(lambda x: x, backend="no such backend")
+    with pytest.raises(ValueError, match=r"arguments \[0\] are both static and donated"):
+        ps.jit(lambda x: x, static_argnums=0, donate_argnums=0)
