@@ -33,6 +33,7 @@ import torch
 
 from .._compat import data_dependent_errors, inductor_eager_random, trace_graph
 from .._core.tree import keystr, leaf_path, tree_flatten, tree_unflatten
+from .._modules.adapter import prepare_tracing
 from .._runtime.ops import emit
 from .._runtime.tracing import Trace, tracing
 from .signature import Flat, tensor_leaves, with_tensors
@@ -133,6 +134,7 @@ def lower(fn: Callable[..., Any], flat: Flat, name: str) -> Lowered:
         out.treedef, out.kinds = treedef, kinds
         return _donate(results, [(i, tensors[i]) for i in sorted(donated)])
 
+    prepare_tracing()  # model families skip their checks on values when they see a trace
     with tracing(trace):
         try:
             graph = trace_graph(program, flat.tensors)
