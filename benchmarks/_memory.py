@@ -27,3 +27,23 @@ def trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # pragma: no cover - not glibc
         pass
+
+
+def reset_peak() -> bool:
+    """Start the high-water mark of :func:`hwm_mib` again from what is resident now (Linux's
+    ``/proc/self/clear_refs``); False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:  # pragma: no cover - not Linux
+        return False
+
+
+def hwm_mib() -> float:
+    """Resident high-water mark since the start or the last :func:`reset_peak`, MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return peak_mib()

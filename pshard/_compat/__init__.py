@@ -32,7 +32,12 @@ Imports torch only; every layer of pshard may import it.
   dispatch modes do not see (:func:`unseen_writes`), forward-mode AD's process state
   (:func:`ad_state`, :func:`set_ad_state`, :func:`share_dual_level`);
 - torch.compile's front end, loaded only when something compiles (:func:`when_compiling`,
-  :func:`compile_disabled`, :func:`constant_result`).
+  :func:`compile_disabled`, :func:`constant_result`);
+- what ``ps.jit`` needs: ``make_fx`` (:func:`trace_graph`), what it raises on values
+  (:func:`data_dependent_errors`), real tensors inside a trace (:func:`real_tensors`), the
+  compilers' backends and random numbers (:func:`compile_backends`,
+  :func:`inductor_eager_random`), collectives kept by dead-code passes
+  (:func:`mark_side_effect`).
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ from .base import (
 )
 from .base import (
     mark_differentiable as mark_differentiable,
+)
+from .base import (
+    mark_side_effect as mark_side_effect,
 )
 from .base import (
     new_level as new_level,
@@ -282,4 +290,10 @@ __all__ = [
     "use_count",
     "when_compiling",
     "wrap_level",
+    "compile_backends",
+    "data_dependent_errors",
+    "inductor_eager_random",
+    "mark_side_effect",
+    "real_tensors",
+    "trace_graph",
 ]

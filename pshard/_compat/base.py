@@ -460,3 +460,9 @@ def compile_backends() -> list[str]:
     import torch._dynamo
 
     return list(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def mark_side_effect(op: Any) -> None:
+    """Tell torch.fx (and the compilers' dead-code passes that ask it) that ``op`` has effects
+    beyond its result: never dropped, never merged."""
+    torch.fx.node.has_side_effect(op)

@@ -171,19 +171,39 @@ def unseen_writes(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
 # own view of the two globals, swapped with the turn (:func:`ad_state`, :func:`set_ad_state`).
 
 
-def ad_state() -> tuple[int, int]:
-    """This thread's view of forward-mode AD: functorch's jvp nesting and the dual level."""
+# ``make_fx`` (``ps.jit``'s tracer) keeps its tracer and torch.fx's "tracing" flag in module
+# globals too: a rank that traces while another runs its compiled program (they hand the turn
+# over in the collectives of the trace's metadata) must not make the other see a trace.
+
+
+def ad_state() -> tuple[Any, ...]:
+    """This thread's view of forward-mode AD (functorch's jvp nesting and the dual level) and
+    of ``make_fx``'s globals (its tracer, torch.fx's tracing flag)."""
     from torch._functorch import eager_transforms
     from torch.autograd import forward_ad
+    from torch.fx import _symbolic_trace
+    from torch.fx.experimental import proxy_tensor
 
-    return eager_transforms.JVP_NESTING, forward_ad._current_level
+    return (
+        eager_transforms.JVP_NESTING,
+        forward_ad._current_level,
+        proxy_tensor._CURRENT_MAKE_FX_TRACER,
+        _symbolic_trace._is_fx_tracing_flag,
+    )
 
 
-def set_ad_state(state: tuple[int, int]) -> None:
+def set_ad_state(state: tuple[Any, ...]) -> None:
     from torch._functorch import eager_transforms
     from torch.autograd import forward_ad
+    from torch.fx import _symbolic_trace
+    from torch.fx.experimental import proxy_tensor
 
-    eager_transforms.JVP_NESTING, forward_ad._current_level = state
+    (
+        eager_transforms.JVP_NESTING,
+        forward_ad._current_level,
+        proxy_tensor._CURRENT_MAKE_FX_TRACER,
+        _symbolic_trace._is_fx_tracing_flag,
+    ) = state
 
 
 class _SharedLevel:

@@ -86,7 +86,11 @@ class Compiled:
 
     def __init__(self, lowered: Lowered, backend: str | Callable[..., Any]) -> None:
         self.lowered = lowered
-        self._program = torch.compile(lowered.graph, backend=backend, fullgraph=True, dynamic=False)
+        # the graph's forward, not the module: while another thread rank traces, make_fx
+        # patches nn.Module.__call__ for the whole process
+        self._program = torch.compile(
+            lowered.graph.forward, backend=backend, fullgraph=True, dynamic=False
+        )
         self._eager_random = backend == "inductor"
         self._first = True
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._compat import mark_side_effect
 from . import wire
 from .wire import Comm
 
@@ -96,6 +97,11 @@ OPS: Mapping[str, Any] = MappingProxyType(
         "reduce": _reduce,
     }
 )
+
+# Communication is a side effect: a compiler must neither drop a collective whose result a
+# rank does not read (the other ranks wait for it) nor move one past another
+for _op in OPS.values():
+    mark_side_effect(_op._opoverload)
 
 
 # --- shapes (fake rules) ----------------------------------------------------------------------

@@ -47,8 +47,12 @@ class Trace:
                 f"{name} over {c.name!r}: a collective over a process group pshard did not "
                 f"resolve from the mesh cannot be traced"
             )
+        # each node its own key (``#`` and its place): compilers must not merge two
+        # collectives of the same value (a gather in the forward and again in the backward,
+        # which FSDP keeps apart so that the gathered weights do not live in between)
+        tagged = c._replace(key=f"{c.key}#{len(self.collectives)}")
         self.collectives.append((name, c.name))
-        return self._emit(name, x, c, params)
+        return self._emit(name, x, tagged, params)
 
 
 _TRACE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("pshard_trace", default=None)

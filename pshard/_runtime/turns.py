@@ -60,7 +60,8 @@ class Rank:
     size: int
     rng: torch.Tensor = field(default_factory=lambda: _fresh_rng())
     dtype: torch.dtype = torch.float32
-    ad: tuple[int, int] = (0, -1)  # forward-mode AD's process globals, as this rank sees them
+    # forward-mode AD's and make_fx's process globals, as this rank sees them
+    ad: tuple[Any, ...] = (0, -1, None, False)
     debug_sequence: dict[str, int] = field(default_factory=dict)
     ended: str = ""  # "returned", "raised <type>", ... once its main task is done
     shared: Any = None  # the transport's state shared by the world's ranks

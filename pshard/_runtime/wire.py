@@ -43,6 +43,7 @@ __all__ = [
     "all_gather_start",
     "all_reduce",
     "all_to_all",
+    "all_to_all_slots",
     "axis_key",
     "broadcast",
     "comm",
@@ -137,7 +138,7 @@ def comm_at_run(key: str, size: int, rank: int, fn: str) -> Comm:
         RuntimeError: the axis now has another size, or this rank another index on it, than
             when the function was traced (its shapes and its rank-dependent code would be wrong).
     """
-    spec = json.loads(key)
+    spec = json.loads(key.partition("#")[0])  # (a traced program's node: "#" and its place)
     axis: Axis
     if isinstance(spec, dict):
         axis = resolve_group(spec["group"])
@@ -369,6 +370,22 @@ def all_to_all(x: torch.Tensor, c: Comm, split_dim: int, concat_dim: int) -> tor
     out = torch.empty_like(inp)
     dist.all_to_all_single(out.view(-1), inp.view(-1), group=c.group)  # out[g]: from group rank g
     return _by_index(out, c).movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+
+@_ranged("all_to_all")
+def all_to_all_slots(send: torch.Tensor, c: Comm) -> torch.Tensor:
+    """The all-to-all of a ``(group size, ...)`` buffer whose block ``g`` goes to group rank
+    ``g``; the result's block ``g`` came from group rank ``g`` (the buffers the caller packed
+    itself, in group-rank order)."""
+    if c.debug:
+        check_collective("all_to_all", c.group, c.name, send, (0, 0))
+    if active_trace() is not None:  # the op takes and gives blocks by axis index
+        out = _emitted("all_to_all", _by_index(send, c), c, 0, 0)
+        assert out is not None
+        return _by_group(out, c)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv.view(-1), send.view(-1), group=c.group)
+    return recv
 
 
 def ppermute(x: torch.Tensor, c: Comm, perm: Perm) -> torch.Tensor:

@@ -21,12 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._collectives import apply
 from .._collectives.apply import call, eager_rules
-from .._runtime.debug import check_collective
-from .._runtime.wire import Comm
+from .._runtime.wire import Comm, all_to_all_slots
 from ._layouts import SeqLayout, along
 
 __all__ = ["tokens_to_heads", "heads_to_tokens"]
@@ -60,11 +58,7 @@ def _parts(buf: torch.Tensor, shapes: list[Shape], sizes: list[int] | None = Non
 def _all_to_all(send: torch.Tensor, c: Comm) -> torch.Tensor:
     if c.group is None:
         return send
-    if c.debug:
-        check_collective("all_to_all", c.group, c.name, send, (0, 0))
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv.view(-1), send.view(-1), group=c.group)
-    return recv
+    return all_to_all_slots(send, c)
 
 
 def _tokens(x: torch.Tensor, start: int, count: int, stride: int) -> torch.Tensor:
