@@ -309,3 +309,130 @@ def test_bad_calls() -> None:
         ps.jit(lambda x: x, backend="no such backend")
     with pytest.raises(ValueError, match=r"arguments \[0\] are both static and donated"):
         ps.jit(lambda x: x, static_argnums=0, donate_argnums=0)
+
+
+# ---------------------------------------------------------------- the model-level transforms
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config).double().train()
+
+
+def rank_model_transforms(kind: str) -> tuple:
+    ps.init_mesh({"tp": 2} if kind == "tp" else {"sp": 2})
+    model = _llama()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    whole = {k: v.detach() for k, v in model.named_parameters()}
+    kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    if kind == "tp":
+        specs = ps.tensor_parallel_specs(model)
+        params: dict = ps.shard(whole, specs)
+
+        def loss(p):
+            with ps.tensor_parallel(model):
+                body = lambda p: torch.func.functional_call(model, p, (), kwargs).loss  # noqa: E731
+                return ps.shard_map(body, in_specs=(specs,), out_specs=P())(p)
+    else:
+        params = whole
+
+        def loss(p):
+            with ps.sequence_parallel(model, axis="sp", attention=kind):
+                return torch.func.functional_call(model, p, (), kwargs).loss
+
+    step = torch.func.grad_and_value(loss)
+    jitted = ps.jit(step, backend=AOT)
+    (got, value), (want, value_want) = jitted(params), step(params)
+
+    def local(t):
+        return t.local if isinstance(t, ps.GlobalTensor) else t
+
+    return (
+        (value, value_want),
+        [(local(got[k]), local(want[k])) for k in want],
+        jitted.lower(params).collectives,
+    )
+
+
+@pytest.mark.parametrize("kind", ["tp", "ulysses", "ring"])
+def test_model_transforms_under_jit(pool, kind: str) -> None:
+    """tensor_parallel and sequence_parallel (Ulysses, ring) of a Hugging Face Llama: one
+    program, eager's loss and gradients."""
+    pytest.importorskip("transformers")
+    for r, (value, grads, collectives) in enumerate(pool.run(2, rank_model_transforms, kind)):
+        torch.testing.assert_close(*value, **EXACT, msg=f"rank {r}")
+        for got, want in grads:
+            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
+        ops = {name for name, _ in collectives}
+        assert {"tp": "psum", "ulysses": "all_to_all", "ring": "ppermute"}[kind] in ops, ops
+
+
+def rank_microbatch_and_checkpoint() -> list:
+    ps.init_mesh({"x": 2})
+    w, d = _x(0, 4, 4), _x(ps.axis_index("x"), 6, 4, seed=1)
+
+    def layer(w, d):
+        return torch.nn.functional.dropout(torch.tanh(d @ w), 0.3, training=True)
+
+    def remat(w, d):
+        return ps.psum((ps.checkpoint(layer)(w, d) ** 2).sum(), "x")
+
+    def micro(w, d):
+        return ps.pmap_microbatch(
+            lambda w, d: ((d @ w) ** 2).mean(), num_microbatches=2,
+            in_specs=(None, ps.Shard(0)), out_specs=ps.Partial("mean"),
+        )(w, d)  # fmt: skip
+
+    out = []
+    for f in (torch.func.grad(remat), torch.func.grad(micro)):
+        jitted = ps.jit(f, backend=AOT)
+        jitted(w, d)
+        torch.manual_seed(3)
+        got = jitted(w, d)
+        torch.manual_seed(3)
+        out.append((got, f(w, d)))
+    return out
+
+
+def test_checkpoint_and_microbatches_under_jit(pool) -> None:
+    """ps.checkpoint (with dropout: the program's numbers are eager's) and pmap_microbatch."""
+    for r, pairs in enumerate(pool.run(2, rank_microbatch_and_checkpoint)):
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
+
+
+def test_torch_compile_of_a_step_does_not_recompile_on_values() -> None:
+    """The optimizer computes with tensors when traced: a new norm, learning rate or step
+    count is a new value in the same graph, never a recompile."""
+    import torch._dynamo
+
+    ps.init_mesh({"x": 1})
+    tx = ps.optim.chain(
+        ps.optim.clip_by_global_norm(0.5),
+        ps.optim.adamw(ps.optim.warmup_cosine_decay_schedule(0.0, 0.1, 2, 8)),
+    )
+
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return ps.optim.apply_updates(params, updates), state
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=AOT)
+    params = {"w": torch.ones(3, dtype=f64)}
+    state = tx.init(params)
+    eager = (params, state)
+    for i in range(6):
+        g = {"w": _x(i, 3) * (i + 1) / 4}  # norms below and above the threshold
+        # after the first step (which compiles each transform's frames), no recompile:
+        # every step is in warmup or decay, below or above the norm, with its own count
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            params, state = compiled(params, state, g)
+        eager = step(*eager, g)
+    torch.testing.assert_close(params["w"], eager[0]["w"], **EXACT)
