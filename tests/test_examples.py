@@ -33,6 +33,7 @@ THREADS = ["--backend", "threads"]
         ("hf_llama.py", ["--nprocs", "2", "--steps", "3", "--checkpointing", *THREADS]),
         ("pipeline_llama.py", ["--steps", "2", *THREADS]),
         ("moe_expert_parallel.py", ["--steps", "2", *THREADS]),
+        ("jit_llama.py", ["--steps", "3", "--compiler", "aot_eager", *THREADS]),
         (
             "functional_llama.py",
             ["--steps", "2", "--save-at", "1", "--microbatches", "1", *THREADS],
