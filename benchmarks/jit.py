@@ -17,8 +17,9 @@ SDPA): ``--layers`` decoder layers of width ``--hidden``, a batch of ``--rows`` 
 Measured: the median step time of ``--rounds`` interleaved rounds (eager and ps.jit in the same
 processes, alternating), their ratio per round (median); ps.jit's programs after all rounds (1:
 no recompilation); the first call's time (trace + compile) against ``torch.compile`` of the
-one-process step (the model whole on one rank, ``.backward()`` and AdamW: its first call less a
-later step; inductor's caches off for both); the peak resident memory above the baseline of eager and ps.jit steps, each in
+one-process step (the model whole on one rank; the step function with ``.backward()``, clipping
+and AdamW under ``torch.compile``: its first call less a later step; inductor's caches off for
+both); the peak resident memory above the baseline of eager and ps.jit steps, each in
 fresh processes (the largest over ranks); the losses.
 
     python benchmarks/jit.py [--hidden 256] [--layers 4] [--seq 128] [--rows 4] [--rounds 6]
@@ -192,17 +193,18 @@ def fsdp2(a: argparse.Namespace) -> dict:
 
 
 def one_process(a: argparse.Namespace) -> dict:
-    """torch.compile of the one-process step: its first call (trace and compile) less a step."""
+    """torch.compile of the one-process step (forward, ``.backward()``, clipping, AdamW): its
+    first call (trace and compile) less a later step."""
     import torch
 
     warnings.simplefilter("ignore")
     model = _model(a)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4, foreach=True)
-    compiled = torch.compile(model)
     ids = _ids(a)
 
+    @torch.compile
     def step() -> None:
-        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()

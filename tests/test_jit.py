@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import torch._dynamo
 
 import pshard as ps
 from pshard import P
@@ -152,7 +153,9 @@ def rank_training(backend: str, steps: int) -> dict:
         x, y = _x(i, 16, 8, seed=5), _x(i, 16, 4, seed=6)
         *eager, want = step(*eager, x, y)
         before = {k: v.local.untyped_storage().data_ptr() for k, v in compiled[0].items()}
-        *compiled, got = jitted(*compiled, x, y)
+        # after the first call: no recompiling, not even the compiler's
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            *compiled, got = jitted(*compiled, x, y)
         donated_kept.append(
             all(compiled[0][k].local.untyped_storage().data_ptr() == p for k, p in before.items())
         )
