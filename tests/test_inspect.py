@@ -143,6 +143,7 @@ def _measured(model: torch.nn.Module) -> tuple[dict[str, int], dict[str, int]]:
     size = sum(p.local.numel() * p.local.element_size() for p in params.values())
     held = sum(t.local.numel() * t.local.element_size() for t in (*state.mu.values(),
                                                                   *state.nu.values()))  # fmt: skip
+    held += state.count.numel() * state.count.element_size()  # the step count
     with torch.device("meta"):
         skeleton = _Model()
     estimate = ps.memory_estimate(skeleton, specs, optimizer=opt)
@@ -173,7 +174,7 @@ def test_memory_estimate_of_a_large_model_on_a_dict_mesh() -> None:
     per_weight = -(-4096 // 64) * 4097 * 4  # dim 0 (4097 rows) split 64 ways, ceil
     rows = -(-4097 // 64)
     assert est["params"] == 32 * (rows * 4096 * 4 + rows * 4), (est, per_weight)
-    assert est["optimizer"] == 2 * est["params"]
+    assert est["optimizer"] == 2 * est["params"] + 8  # the moments and the step count
     assert est["gathered_unit"] == (4097 * 4096 + 4097) * 4
     with pytest.raises(TypeError, match="memory_estimate: mesh must be"):
         ps.memory_estimate(layers, None, mesh=[8])

@@ -419,3 +419,29 @@ def test_donating_updates_to_shared_memory_is_refused() -> None:
     assert torch.equal(base, torch.ones(4)) and out["x"] is not None
     pure = ps.optim.apply_updates({"a": w, "b": w}, {"a": torch.ones(3), "b": torch.ones(3)})
     assert torch.equal(pure["a"], torch.full((3,), 2.0)) and torch.equal(w, torch.ones(3))
+
+
+def test_a_state_loaded_with_one_spec_for_everything(tmp_path: Any) -> None:
+    """ps.load(path, specs=P("dp")) of a saved state: the step count (a 0-d tensor) has no dim
+    to split and comes back whole (a replicated GlobalTensor), and the next update takes it."""
+    ps.init_mesh({"dp": 1})
+    tx = optim.adamw(0.1)
+
+    def tree(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {
+            "w": torch.randn(4, 3, dtype=f64, generator=g),
+            "b": torch.randn(3, dtype=f64, generator=g),
+        }
+
+    params = ps.shard(tree(0), ps.P("dp"))
+    _, state = tx.update(ps.shard(tree(1), ps.P("dp")), tx.init(params), params)
+    ps.save(str(tmp_path / "ckpt"), {"opt": state})
+    back = ps.load(str(tmp_path / "ckpt"), specs=ps.P("dp"))["opt"]
+    assert back["count"].shape == () and back["count"].spec == ps.P()
+    grads = ps.shard(tree(2), ps.P("dp"))
+    got, got_state = tx.update(grads, back, params)
+    want, want_state = tx.update(grads, state, params)
+    assert int(got_state.count) == int(want_state.count) == 2
+    for a, b in zip(_leaves(ps.gather(got)), _leaves(ps.gather(want)), strict=True):
+        assert torch.equal(a, b)

@@ -120,7 +120,7 @@ def memory_estimate(
         ...     model = torch.nn.Linear(1024, 1024)
         >>> ps.memory_estimate(model, ps.P("dp"), optimizer=ps.optim.adamw(1e-3),
         ...                    mesh={"dp": 4})
-        {'params': 1049600, 'grads': 1049600, 'optimizer': 2099200, 'gathered_unit': 4198400}
+        {'params': 1049600, 'grads': 1049600, 'optimizer': 2099208, 'gathered_unit': 4198400}
     """
     key, here = _mesh(mesh)
     params, module = _parameters(module_or_params)

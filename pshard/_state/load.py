@@ -319,7 +319,9 @@ def load(
 def like_from_specs(path: str | os.PathLike[str], specs: Any, fn: str) -> Any:
     """The tree saved at ``path`` (:func:`load_metadata`) with each tensor asked for in the
     layout ``specs`` gives it (a prefix tree of the saved tree: a ``P`` over the current
-    mesh's axes, ``Replicate()`` for ``P()``, ``None`` for the whole tensor).
+    mesh's axes, ``Replicate()`` for ``P()``, ``None`` for the whole tensor). A 0-d tensor
+    (an optimizer's step count) has no dim to split: it is read whole whatever the spec that
+    covers it.
 
     Raises:
         ValueError: ``specs`` is not a prefix of the saved tree (naming the key path).
@@ -335,7 +337,7 @@ def like_from_specs(path: str | os.PathLike[str], specs: Any, fn: str) -> Any:
         if not isinstance(x, SavedTensor):
             out.append(x)
             continue
-        if isinstance(spec, Replicate):
+        if isinstance(spec, Replicate) or (isinstance(spec, P) and not x.shape):
             spec = P()
         if spec is not None and not isinstance(spec, P):
             raise TypeError(

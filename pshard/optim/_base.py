@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .._compat import tracing
+from .._core.global_tensor import is_global
+from .._core.placements import P
 from .._core.tree import article, describe
 from . import _kernels as kernels
 from ._leaves import check_like, flatten, groups
@@ -68,6 +70,8 @@ def count_of(count: Any, fn: str) -> int | torch.Tensor:
     Raises:
         TypeError: not an integer count (a 0-d integer tensor, or an int of an older state).
     """
+    if is_global(count) and count.spec == P():  # as ps.load gives it back with specs
+        count = count.local
     if (
         isinstance(count, torch.Tensor)
         and count.dim() == 0
@@ -84,6 +88,8 @@ def count_of(count: Any, fn: str) -> int | torch.Tensor:
 
 def next_count(count: Any) -> torch.Tensor:
     """The count after one more update (a tensor, whatever the state held)."""
+    if is_global(count):
+        count = count.local
     if isinstance(count, torch.Tensor):
         return count + 1
     return torch.tensor(count + 1, dtype=torch.int64)
