@@ -34,6 +34,8 @@ THREADS = ["--backend", "threads"]
         ("pipeline_llama.py", ["--steps", "2", *THREADS]),
         ("moe_expert_parallel.py", ["--steps", "2", *THREADS]),
         ("jit_llama.py", ["--steps", "3", "--compiler", "aot_eager", *THREADS]),
+        ("llama_4d.py", ["--mesh", "dp=2,pp=2,tp=2,sp=1"]),  # 8 thread ranks (16 by default)
+        ("llama_4d.py", ["--mesh", "dp=1,pp=2,tp=2,sp=2"]),
         (
             "functional_llama.py",
             ["--steps", "2", "--save-at", "1", "--microbatches", "1", *THREADS],
