@@ -1,19 +1,35 @@
 """A module's ``forward`` (or a name in a namespace) replaced while a block runs it, and put
 back: the patches ``tensor_parallel`` and ``expert_parallel`` install (an instance attribute
-``forward``, as ``sharded_call`` installs its units).
+``forward``, as ``sharded_call`` installs its units), counted per model (threads that are ranks
+share models), and the runs of a kind of block in this context (found again by the backward
+passes through their calls).
 
 Internal interface: ``own_forward(module, saved)``, ``set_forward(module, forward) -> undo``,
-``set_name(namespace, name, value) -> undo``.
+``set_name(namespace, name, value) -> undo``, :class:`Root`, :func:`install_counted`,
+:func:`patched`, :class:`Runs`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["own_forward", "set_forward", "set_name"]
+from .passes import recorded
+
+__all__ = [
+    "Root",
+    "Runs",
+    "install_counted",
+    "own_forward",
+    "patched",
+    "set_forward",
+    "set_name",
+]
 
 
 def own_forward(module: nn.Module, saved: Any) -> Callable[..., Any]:
@@ -49,3 +65,94 @@ def set_name(namespace: dict[str, Any], name: str, value: Any) -> Callable[[], N
             namespace[name] = saved
 
     return undo
+
+
+class Root:
+    """A model's own ``forward`` while a kind of block is installed on it (subclasses call the
+    model): the install count, what restores the model, and the key of the layout installed."""
+
+    def __init__(self, model: nn.Module, saved: Any, key: Any) -> None:
+        self.model, self.saved, self.key = model, saved, key
+        self.count = 0
+        self.undo: list[Callable[[], None]] = []
+
+
+def install_counted(
+    model: nn.Module,
+    key: Any,
+    kind: type[Root],
+    patch: Callable[[Any], Root],
+    lock: threading.Lock,
+    clash: str,
+) -> Callable[[], None]:
+    """Install a block of ``kind`` on ``model`` (``patch(saved forward) -> root``, which patches
+    the model, puts the undo of each patch in ``root.undo`` and ``root`` as the model's
+    forward last), or count one more install of the same ``key``; returns the undo (the model
+    restored when the last install ends). Threads that are ranks share models: ``lock``
+    guards the counts.
+
+    Raises:
+        RuntimeError: ``clash``, the model holds a block of this kind with another key.
+    """
+    with lock:
+        root = model.__dict__.get("forward")
+        if not (isinstance(root, kind) and root.model is model):
+            root = patch(root)
+        elif root.key != key:
+            raise RuntimeError(clash)
+        root.count += 1
+
+    def undo() -> None:
+        with lock:
+            root.count -= 1
+            if root.count == 0:
+                _restore(root)
+
+    return undo
+
+
+def patched(root: Root, steps: Callable[[Root], None]) -> Root:
+    """``root`` after ``steps(root)`` patched the model (their undo in ``root.undo``); all
+    undone if one fails."""
+    try:
+        steps(root)
+    except BaseException:
+        _restore(root)
+        raise
+    return root
+
+
+def _restore(root: Root) -> None:
+    for step in reversed(root.undo):
+        step()
+    root.undo.clear()
+
+
+class Runs:
+    """The blocks of one kind running in this context (a context variable of runs, each with
+    its ``model``), and those the running backward pass recorded."""
+
+    def __init__(self, var: contextvars.ContextVar[tuple[Any, ...]], kind: type) -> None:
+        self._var, self._kind = var, kind
+
+    def active(self, model: nn.Module) -> Any:
+        """The innermost run of ``model`` in this context, else the one the running backward
+        pass recorded, else ``None``."""
+        for run in reversed(self._var.get()):
+            if run.model is model:
+                return run
+        for entry in recorded():
+            if isinstance(entry, self._kind) and getattr(entry, "model", None) is model:
+                return entry
+        return None
+
+    @contextlib.contextmanager
+    def running(self, run: Any, install: Callable[[Any], Callable[[], None]]) -> Iterator[Any]:
+        """The block: ``run`` pushed on the context and installed (``install(run) -> undo``)."""
+        undo = install(run)
+        token = self._var.set((*self._var.get(), run))
+        try:
+            yield run
+        finally:
+            self._var.reset(token)
+            undo()

@@ -37,6 +37,7 @@ __all__ = [
     "mapped_axes",
     "mapping",
     "mesh_for",
+    "named_axis",
     "resolve_axis",
     "use_mesh",
 ]
@@ -320,6 +321,26 @@ def mesh_for(fn: str) -> DeviceMesh:
             f"ps.use_mesh(mesh)"
         )
     return scope.mesh
+
+
+def named_axis(axis: object, mesh: DeviceMesh | None, fn: str) -> tuple[DeviceMesh, int]:
+    """The mesh (``mesh``, default the current one) and size of the axis named ``axis``, for
+    the function ``fn`` that the errors name.
+
+    Raises:
+        TypeError: ``axis`` is not a name.
+        ValueError: no such axis in the mesh.
+    """
+    if not isinstance(axis, str):
+        raise TypeError(f"{fn}: axis must be a mesh-axis name (str), got {type(axis).__name__}")
+    mesh = mesh_for(fn) if mesh is None else mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    if axis not in names:
+        raise ValueError(
+            f"{fn}: axis {axis!r} is not an axis of the mesh (axes {names} with sizes "
+            f"{tuple(mesh.mesh.shape)}); pass axis= one of them, or a mesh with it"
+        )
+    return mesh, int(mesh.size(names.index(axis)))
 
 
 def _ranks_running_elsewhere() -> bool:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._core.placements import P
 from .._core.tree import describe
 from .._modules.adapter import ExpertsPart, experts_part
-from .._runtime.mesh import mesh_for
+from .._runtime.mesh import named_axis
 from .._shard_map.sharded_call import KEEP_SPLIT
 from ._install import Run, running
 from ._plan import Resolved, resolve
@@ -25,16 +25,7 @@ def _resolve(
 ) -> tuple[Resolved, DeviceMesh, int, ExpertsPart]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be an nn.Module, got {describe(model)}")
-    if not isinstance(axis, str):
-        raise TypeError(f"{fn}: axis must be a mesh-axis name (str), got {describe(axis)}")
-    mesh = mesh_for(fn) if mesh is None else mesh
-    names = tuple(mesh.mesh_dim_names or ())
-    if axis not in names:
-        raise ValueError(
-            f"{fn}: axis {axis!r} is not an axis of the mesh (axes {names} with sizes "
-            f"{tuple(mesh.mesh.shape)}); pass axis= one of them, or a mesh with it"
-        )
-    size = mesh.size(names.index(axis))
+    mesh, size = named_axis(axis, mesh, fn)
     part = experts_part(model)
     resolved = resolve(model, axis, size, part, fn)
     assert part is not None  # resolve refuses a model without known experts

@@ -34,7 +34,7 @@ import contextvars
 import inspect
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,8 +43,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._collectives.functions import psum
 from .._modules.adapter import ExpertsPart
-from .._modules.passes import record_for_backward, recorded
-from .._modules.patches import own_forward, set_forward, set_name
+from .._modules.passes import record_for_backward
+from .._modules.patches import (
+    Root,
+    Runs,
+    install_counted,
+    own_forward,
+    patched,
+    set_forward,
+    set_name,
+)
 from .._runtime.mesh import mapped_axes, use_mesh
 from ._dispatch import dispatch
 from ._plan import Resolved
@@ -102,28 +110,19 @@ class Run:
         return axes
 
 
+_BLOCKS = Runs(_RUNS, Run)
+
+
 def active_run(model: nn.Module) -> Run | None:
     """The innermost run of ``model`` in this context, else the one the running backward
     pass recorded, else ``None``."""
-    for run in reversed(_RUNS.get()):
-        if run.model is model:
-            return run
-    for entry in recorded():
-        if isinstance(entry, Run) and entry.model is model:
-            return entry
-    return None
+    run: Run | None = _BLOCKS.active(model)
+    return run
 
 
-@contextlib.contextmanager
-def running(run: Run) -> Iterator[Run]:
+def running(run: Run) -> contextlib.AbstractContextManager[Run]:
     """The block: ``run`` pushed on the context and installed on its model."""
-    undo = _install(run)
-    token = _RUNS.set((*_RUNS.get(), run))
-    try:
-        yield run
-    finally:
-        _RUNS.reset(token)
-        undo()
+    return _BLOCKS.running(run, _install)
 
 
 class _Experts:
@@ -156,14 +155,8 @@ class _Experts:
             )  # fmt: skip
 
 
-class _Root:
-    """The model's ``forward`` while it is installed (see the module docs). Holds the install
-    count and what restores the model."""
-
-    def __init__(self, model: nn.Module, saved: Any, key: Any) -> None:
-        self.model, self.saved, self.key = model, saved, key
-        self.count = 0
-        self.undo: list[Callable[[], None]] = []
+class _Root(Root):
+    """The model's ``forward`` while it is installed (see the module docs)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         own = own_forward(self.model, self.saved)
@@ -235,46 +228,28 @@ def _sum_losses(out: Any, axes: tuple[str, ...]) -> Any:
 def _install(run: Run) -> Callable[[], None]:
     """Install ``run``'s patches on its model (or count one more install); returns the undo."""
     model = run.model
-    with _LOCK:
-        root = model.__dict__.get("forward")
-        if not (isinstance(root, _Root) and root.model is model):
-            root = _Root(model, root, run.key)
-            _patch(run, root)
-        elif root.key != run.key:
-            raise RuntimeError(
-                f"{_FN}({type(model).__name__}): the model is already split by another "
-                f"expert_parallel block (another axis or size); one model runs under one "
-                f"layout at a time"
-            )
-        root.count += 1
-
-    def undo() -> None:
-        with _LOCK:
-            root.count -= 1
-            if root.count == 0:
-                for step in reversed(root.undo):
-                    step()
-                root.undo.clear()
-
-    return undo
+    clash = (
+        f"{_FN}({type(model).__name__}): the model is already split by another "
+        f"expert_parallel block (another axis or size); one model runs under one layout at a "
+        f"time"
+    )
+    return install_counted(
+        model, run.key, _Root, lambda saved: patched(_Root(model, saved, run.key),
+                                                     lambda root: _patch(run, root)),
+        _LOCK, clash,
+    )  # fmt: skip
 
 
-def _patch(run: Run, root: _Root) -> None:
+def _patch(run: Run, root: Root) -> None:
     model = run.model
-    try:
-        for name in run.resolved.experts:
-            module = model.get_submodule(name)
-            saved = module.__dict__.get("forward")
-            root.undo.append(set_forward(module, _Experts(model, module, name, saved)))
-        slot = run.part.balance_loss_slot(model)
-        if slot is not None:
-            root.undo.append(_patch_balance(*slot))
-        root.undo.append(set_forward(model, root))
-    except BaseException:
-        for step in reversed(root.undo):
-            step()
-        root.undo.clear()
-        raise
+    for name in run.resolved.experts:
+        module = model.get_submodule(name)
+        saved = module.__dict__.get("forward")
+        root.undo.append(set_forward(module, _Experts(model, module, name, saved)))
+    slot = run.part.balance_loss_slot(model)
+    if slot is not None:
+        root.undo.append(_patch_balance(*slot))
+    root.undo.append(set_forward(model, root))
 
 
 def _patch_balance(namespace: dict[str, Any], name: str) -> Callable[[], None]:

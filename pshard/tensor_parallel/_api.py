@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._core.placements import P
 from .._core.tree import describe
 from .._modules.adapter import TensorParallelParts, tensor_parallel_part
-from .._runtime.mesh import mesh_for
+from .._runtime.mesh import named_axis
 from .._shard_map.sharded_call import KEEP_SPLIT
 from ._install import Run, running
 from ._plan import Resolved, resolve
@@ -72,16 +72,7 @@ def _resolve(
 ) -> tuple[Resolved, DeviceMesh, int, TensorParallelParts | None]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be an nn.Module, got {describe(model)}")
-    if not isinstance(axis, str):
-        raise TypeError(f"{fn}: axis must be a mesh-axis name (str), got {describe(axis)}")
-    mesh = mesh_for(fn) if mesh is None else mesh
-    names = tuple(mesh.mesh_dim_names or ())
-    if axis not in names:
-        raise ValueError(
-            f"{fn}: axis {axis!r} is not an axis of the mesh (axes {names} with sizes "
-            f"{tuple(mesh.mesh.shape)}); pass axis= one of them, or a mesh with it"
-        )
-    size = mesh.size(names.index(axis))
+    mesh, size = named_axis(axis, mesh, fn)
     adapter = tensor_parallel_part(model)
     if plan is None:
         plan = _default_plan(model, False, adapter, fn)

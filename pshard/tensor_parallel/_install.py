@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._collectives.functions import axis_index
 from .._modules.adapter import TensorParallelParts
-from .._modules.passes import record_for_backward, recorded
-from .._modules.patches import own_forward, set_forward
+from .._modules.passes import record_for_backward
+from .._modules.patches import Root, Runs, install_counted, own_forward, patched, set_forward
 from .._runtime.mesh import use_mesh
 from ._layers import Split, run_layer
 from ._plan import Resolved
@@ -92,28 +92,19 @@ class Run:
         return _install(self)
 
 
+_BLOCKS = Runs(_RUNS, Run)
+
+
 def active_run(model: nn.Module) -> Run | None:
     """The innermost run of ``model`` in this context, else the one the running backward
     pass recorded, else ``None``."""
-    for run in reversed(_RUNS.get()):
-        if run.model is model:
-            return run
-    for entry in recorded():
-        if isinstance(entry, Run) and entry.model is model:
-            return entry
-    return None
+    run: Run | None = _BLOCKS.active(model)
+    return run
 
 
-@contextlib.contextmanager
-def running(run: Run) -> Iterator[Run]:
+def running(run: Run) -> contextlib.AbstractContextManager[Run]:
     """The block: ``run`` pushed on the context and installed on its model."""
-    undo = _install(run)
-    token = _RUNS.set((*_RUNS.get(), run))
-    try:
-        yield run
-    finally:
-        _RUNS.reset(token)
-        undo()
+    return _BLOCKS.running(run, _install)
 
 
 class _Forward:
@@ -132,14 +123,9 @@ class _Forward:
             return run_layer(layer, self.module, own, args, kwargs, run.split_now())
 
 
-class _Root:
+class _Root(Root):
     """The model's ``forward`` while it is installed: records the run with the outputs (for
-    the backward passes through them). Holds the install count and what restores the model."""
-
-    def __init__(self, model: nn.Module, saved: Any, key: Any) -> None:
-        self.model, self.saved, self.key = model, saved, key
-        self.count = 0
-        self.undo: list[Callable[[], None]] = []
+    the backward passes through them)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         own = own_forward(self.model, self.saved)
@@ -152,47 +138,29 @@ class _Root:
 def _install(run: Run) -> Callable[[], None]:
     """Install ``run``'s patches on its model (or count one more install); returns the undo."""
     model = run.model
-    with _LOCK:
-        root = model.__dict__.get("forward")
-        if not (isinstance(root, _Root) and root.model is model):
-            root = _Root(model, root, run.key)
-            _patch(run, root)
-        elif root.key != run.key:
-            raise RuntimeError(
-                f"{_FN}({type(model).__name__}): the model is already split by another "
-                f"tensor_parallel block (another plan, axis size or loss_parallel); one model "
-                f"runs under one layout at a time"
-            )
-        root.count += 1
-
-    def undo() -> None:
-        with _LOCK:
-            root.count -= 1
-            if root.count == 0:
-                for step in reversed(root.undo):
-                    step()
-                root.undo.clear()
-
-    return undo
+    clash = (
+        f"{_FN}({type(model).__name__}): the model is already split by another "
+        f"tensor_parallel block (another plan, axis size or loss_parallel); one model runs "
+        f"under one layout at a time"
+    )
+    return install_counted(
+        model, run.key, _Root, lambda saved: patched(_Root(model, saved, run.key),
+                                                     lambda root: _patch(run, root)),
+        _LOCK, clash,
+    )  # fmt: skip
 
 
-def _patch(run: Run, root: _Root) -> None:
+def _patch(run: Run, root: Root) -> None:
     model, adapter = run.model, run.adapter
-    try:
-        for name in run.resolved.layers:
-            module = model.get_submodule(name)
-            saved = module.__dict__.get("forward")
-            root.undo.append(set_forward(module, _Forward(model, module, name, saved)))
-        for name, heads, kv_heads in run.resolved.attention:
-            assert adapter is not None  # only an adapter describes attention modules
-            root.undo.append(adapter.localize_attention(model.get_submodule(name), heads, kv_heads))
-        if run.loss_parallel and adapter is not None:
-            undo = adapter.parallel_loss(model, run.axis)
-            if undo is not None:
-                root.undo.append(undo)
-        root.undo.append(set_forward(model, root))
-    except BaseException:
-        for step in reversed(root.undo):
-            step()
-        root.undo.clear()
-        raise
+    for name in run.resolved.layers:
+        module = model.get_submodule(name)
+        saved = module.__dict__.get("forward")
+        root.undo.append(set_forward(module, _Forward(model, module, name, saved)))
+    for name, heads, kv_heads in run.resolved.attention:
+        assert adapter is not None  # only an adapter describes attention modules
+        root.undo.append(adapter.localize_attention(model.get_submodule(name), heads, kv_heads))
+    if run.loss_parallel and adapter is not None:
+        undo = adapter.parallel_loss(model, run.axis)
+        if undo is not None:
+            root.undo.append(undo)
+    root.undo.append(set_forward(model, root))
