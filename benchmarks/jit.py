@@ -2,6 +2,10 @@
 FSDP2's ``.backward()`` step, and its trace + compile time against ``torch.compile`` of the
 one-process step.
 
+``--parallel tp`` and ``--parallel ulysses`` time the same against tensor parallelism
+(``tensor_parallel`` in a map over "tp") and Ulysses (``sequence_parallel`` over "sp", the
+gradients summed over it) instead of FSDP.
+
 The model: a Hugging Face ``LlamaForCausalLM`` built from a config (nothing downloads; float32,
 SDPA): ``--layers`` decoder layers of width ``--hidden``, a batch of ``--rows`` rows of
 ``--seq`` tokens, the model's own loss. The step (on ``--nprocs`` gloo ranks, one thread each):
@@ -10,9 +14,9 @@ SDPA): ``--layers`` decoder layers of width ``--hidden``, a batch of ``--rows`` 
   parameter a ``GlobalTensor`` ``P("dp")``), ``ps.optim.chain(clip_by_global_norm(1.0),
   adamw(1e-3))``, ``apply_updates``;
 - **ps.jit**: the same function under ``ps.jit(step, donate_argnums=(0, 1))`` (inductor);
-- **FSDP2 compiled**: ``fully_shard`` on each decoder layer and the root, the model under
-  ``torch.compile``, ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW``
-  (foreach).
+- **FSDP2 compiled** (``--parallel fsdp``): ``fully_shard`` on each decoder layer and the
+  root, the model under ``torch.compile``, ``loss.backward()``, ``clip_grad_norm_``,
+  ``torch.optim.AdamW`` (foreach).
 
 Measured: the median step time of ``--rounds`` interleaved rounds (eager and ps.jit in the same
 processes, alternating), their ratio per round (median); ps.jit's programs after all rounds (1:
@@ -61,26 +65,64 @@ def _ids(a: argparse.Namespace) -> Any:
     return torch.randint(0, a.vocab, (a.rows, a.seq), generator=torch.Generator().manual_seed(1))
 
 
+_AXIS = {"fsdp": "dp", "tp": "tp", "ulysses": "sp"}
+
+
+def _mesh(a: argparse.Namespace) -> Any:
+    import torch.distributed as dist
+
+    import pshard as ps
+
+    return ps.init_mesh({_AXIS[a.parallel]: dist.get_world_size()})
+
+
 def _pshard_step(a: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """``(step, params, state)`` of the functional FSDP step."""
+    """``(step, params, state)`` of the functional step: FSDP (``sharded_call`` in a map over
+    "dp", the batch split), tensor parallelism (``tensor_parallel`` in a map over "tp") or
+    Ulysses (``sequence_parallel`` over "sp": each rank's gradients its tokens' share, summed)."""
     import torch
 
     import pshard as ps
 
     model = _model(a)
-    specs = ps.P("dp")
-    params = ps.shard({k: v.detach() for k, v in model.named_parameters()}, specs)
+    whole = {k: v.detach() for k, v in model.named_parameters()}
     tx = ps.optim.chain(ps.optim.clip_by_global_norm(1.0), ps.optim.adamw(1e-3))
+    specs: Any = ps.P("dp")
 
-    def loss(p: dict, ids: Any) -> Any:
-        def body(blocks: dict, rows: Any) -> Any:
-            kwargs = {"input_ids": rows, "labels": rows, "use_cache": False}
-            return ps.pmean(ps.sharded_call(model, blocks, (), kwargs, specs=specs).loss, "dp")
+    def kwargs(rows: Any) -> dict:
+        return {"input_ids": rows, "labels": rows, "use_cache": False}
 
-        return ps.shard_map(body, in_specs=(specs, specs), out_specs=ps.P())(p, ids)
+    if a.parallel == "fsdp":
+
+        def loss(p: dict, ids: Any) -> Any:
+            def body(blocks: dict, rows: Any) -> Any:
+                out = ps.sharded_call(model, blocks, (), kwargs(rows), specs=specs)
+                return ps.pmean(out.loss, "dp")
+
+            return ps.shard_map(body, in_specs=(specs, specs), out_specs=ps.P())(p, ids)
+
+        params: Any = ps.shard(whole, specs)
+    elif a.parallel == "tp":
+        specs = ps.tensor_parallel_specs(model)
+
+        def loss(p: dict, ids: Any) -> Any:
+            with ps.tensor_parallel(model):
+                body = lambda b, r: torch.func.functional_call(model, b, (), kwargs(r)).loss  # noqa: E731
+                return ps.shard_map(body, in_specs=(specs, None), out_specs=ps.P())(p, ids)
+
+        params = ps.shard(whole, specs)
+    else:
+
+        def loss(p: dict, ids: Any) -> Any:
+            with ps.sequence_parallel(model, axis="sp", attention="ulysses"):
+                return torch.func.functional_call(model, p, (), kwargs(ids)).loss
+
+        params = whole
 
     def step(p: dict, s: Any, ids: Any) -> tuple[dict, Any, Any]:
         grads, value = torch.func.grad_and_value(loss)(p, ids)
+        if a.parallel == "ulysses":  # each rank's tokens' share of the gradients
+            grads = ps.psum(grads, "sp")
         updates, s = tx.update(grads, s, p)
         return ps.optim.apply_updates(p, updates), s, value
 
@@ -90,17 +132,19 @@ def _pshard_step(a: argparse.Namespace) -> tuple[Any, Any, Any]:
 def _copy(params: dict) -> dict:
     import pshard as ps
 
-    return {k: ps.GlobalTensor(v.local.clone(), v.meta) for k, v in params.items()}
+    return {
+        k: ps.GlobalTensor(v.local.clone(), v.meta) if isinstance(v, ps.GlobalTensor) else v.clone()
+        for k, v in params.items()
+    }
 
 
 def paired(a: argparse.Namespace) -> dict:
     """Eager and ps.jit in the same processes, their steps alternating."""
-    import torch.distributed as dist
 
     import pshard as ps
 
     warnings.simplefilter("ignore")
-    ps.init_mesh({"dp": dist.get_world_size()})
+    _mesh(a)
     ids = _ids(a)
     step, params, state = _pshard_step(a)
     jitted = ps.jit(step, donate_argnums=(0, 1), backend=a.backend)
@@ -134,12 +178,11 @@ def paired(a: argparse.Namespace) -> dict:
 
 def peak(a: argparse.Namespace, mode: str) -> float:
     """The peak above the baseline of ``--rounds`` steps of one mode, in fresh processes."""
-    import torch.distributed as dist
 
     import pshard as ps
 
     warnings.simplefilter("ignore")
-    ps.init_mesh({"dp": dist.get_world_size()})
+    _mesh(a)
     ids = _ids(a)
     import transformers.models.llama.modeling_llama  # noqa: F401  (before the baseline)
 
@@ -227,34 +270,37 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument(
+        "--parallel", choices=tuple(_AXIS), default="fsdp", help="the step's parallelism"
+    )
     a = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # freed blocks go back
     # compile times from scratch, for both (inductor's caches would serve a second run)
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
-
     import pshard as ps
 
     print(f"Llama: hidden {a.hidden}, {a.layers} layers, vocabulary {a.vocab}; {a.rows} x "
-          f"{a.seq} tokens; float32; {a.nprocs} gloo ranks, FSDP over all of them")  # fmt: skip
+          f"{a.seq} tokens; float32; {a.nprocs} gloo ranks, {a.parallel} over all")  # fmt: skip
     n = a.nprocs
     pair = ps.spawn(paired, a, nprocs=n)
-    fs = ps.spawn(fsdp2, a, nprocs=n)
+    fs = ps.spawn(fsdp2, a, nprocs=n) if a.parallel == "fsdp" else None
     one = ps.spawn(one_process, a, nprocs=1)[0]
     peaks = {m: max(ps.spawn(peak, a, m, nprocs=n)) for m in ("eager", "jit")}
     eager = statistics.median(r["eager"] for r in pair)
     jit = statistics.median(r["jit"] for r in pair)
     ratio = statistics.median(r["ratio"] for r in pair)
     first = max(r["first"] for r in pair)
-    fsdp_step = statistics.median(r["step"] for r in fs)
+    fsdp_step = statistics.median(r["step"] for r in fs) if fs else None
     diff = max(abs(e - j) for r in pair for e, j in r["losses"])
     print(f"{'configuration':<34} {'step (s)':>9} {'vs eager':>9}")
-    print(f"{'eager (sharded_call + ps.optim)':<34} {eager:>9.3f} {1.0:>8.2f}x")
+    label = f"eager ({a.parallel} step)"
+    print(f"{label:<34} {eager:>9.3f} {1.0:>8.2f}x")
     print(f"{'ps.jit (' + a.backend + ')':<34} {jit:>9.3f} {ratio:>8.2f}x (paired)")
-    print(f"{'FSDP2 + torch.compile':<34} {fsdp_step:>9.3f} {fsdp_step / eager:>8.2f}x")
+    if fsdp_step is not None:
+        print(f"{'FSDP2 + torch.compile':<34} {fsdp_step:>9.3f} {fsdp_step / eager:>8.2f}x")
     print(f"ps.jit programs after {a.rounds + 1} calls: {[r['programs'] for r in pair]}")
     print(f"first call (trace + compile): ps.jit {first:.1f} s; torch.compile of the one-process "
-          f"step {one['compile']:.1f} s ({first / one['compile']:.2f}x); FSDP2 compiled first "
-          f"step {max(r['first'] for r in fs):.1f} s")  # fmt: skip
+          f"step {one['compile']:.1f} s ({first / one['compile']:.2f}x)")  # fmt: skip
     print(f"peak above baseline (MiB, largest rank): eager {peaks['eager']:.1f}, ps.jit "
           f"{peaks['jit']:.1f} ({peaks['jit'] / peaks['eager']:.2f}x)")  # fmt: skip
     print(f"largest loss difference, ps.jit against eager: {diff:.1e}")

@@ -45,6 +45,9 @@ def rank_collectives() -> tuple:
     jitted = ps.jit(_all_collectives, backend=AOT)
     lowered = jitted.lower(x)
     got = jitted(x)
+    assert torch.equal(lowered.compile(AOT)(x), got)  # the lowered program, compiled by hand
+    with pytest.raises(TypeError, match="do not have the signature the program was traced for"):
+        lowered.compile(AOT)(torch.ones(5, 3, dtype=f64))
     grad = ps.jit(torch.func.grad(_all_collectives), backend=AOT)(x)
     return (got, _all_collectives(x)), (grad, torch.func.grad(_all_collectives)(x)), lowered
 

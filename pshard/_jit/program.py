@@ -36,7 +36,7 @@ from .._core.tree import keystr, leaf_path, tree_flatten, tree_unflatten
 from .._modules.adapter import prepare_tracing
 from .._runtime.ops import emit
 from .._runtime.tracing import Trace, tracing
-from .signature import Flat, tensor_leaves, with_tensors
+from .signature import Flat, flatten_call, tensor_leaves, with_tensors
 
 __all__ = ["Compiled", "ConcretizationError", "Lowered", "lower"]
 
@@ -107,9 +107,7 @@ class Compiled:
 
     def __call__(self, *args: Any) -> Any:
         flat = self.lowered._flat
-        from .signature import flatten_call  # the same flattening as the call that traced
-
-        now = flatten_call(args, tuple(flat.static), flat.donated and (), self.lowered._name)
+        now = flatten_call(args, tuple(flat.static), (), self.lowered._name)
         if now.key != flat.key:
             raise TypeError(
                 f"{self.lowered._name}: these arguments do not have the signature the program "
