@@ -529,3 +529,34 @@ def test_load_what_save_pretrained_wrote(pool, tmp_path, mesh) -> None:
         assert sorted(pairs) == sorted(names)
         for k, (got, want) in pairs.items():
             assert torch.equal(got, want), (r, k)
+
+
+# ---------------------------------------------------------------- ps.jit
+
+
+def rank_under_jit() -> tuple:
+    ps.init_mesh({"ep": 2})
+    model = build("qwen3_moe")
+    b = batch(4)
+    count = (b["labels"][:, 1:] != -100).sum()
+    specs = ps.expert_parallel_specs(model)
+    params = ps.shard({k: v.detach() for k, v in model.named_parameters()}, specs)
+
+    def grads(p, b):
+        with ps.expert_parallel(model):
+            return torch.func.grad(lambda p: _loss(model, specs, b, count, ("ep",))(p, b)[0])(p)
+
+    jitted = ps.jit(grads, backend="aot_eager")
+    got, want = jitted(params, b), grads(params, b)
+    collectives = {name for name, _ in jitted.lower(params, b).collectives}
+    return [(got[k].local, want[k].local) for k in want], jitted.cache_size(), collectives
+
+
+def test_under_jit(pool) -> None:
+    """The whole gradient of a Qwen3-MoE under expert parallelism as one program: the counts
+    of the exchanges are data of the program (aot_eager: inductor cannot yet compile the
+    programs whose sizes depend on data, and says so)."""
+    for r, (pairs, programs, collectives) in enumerate(pool.run(2, rank_under_jit)):
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
+        assert programs == 1 and {"ragged_all_to_all", "all_to_all"} <= collectives

@@ -198,6 +198,34 @@ def test_a_training_step_with_inductor(pool) -> None:
     _check_training(pool.run(2, rank_training, "inductor", 2), {"rtol": 1e-9, "atol": 1e-12})
 
 
+def rank_ragged(backend: str) -> list:
+    """ragged_all_to_all in a program: the counts are data (one program for every count)."""
+    ps.init_mesh({"ep": 2})
+    r = ps.axis_index("ep")
+    w = torch.arange(1.0, 3.0, dtype=f64)
+
+    def loss(x, send):
+        y, recv = ps.ragged_all_to_all(x, send, "ep")
+        return ((y * w) ** 2).sum() + recv.sum()
+
+    grad = torch.func.grad(loss)
+    jitted = ps.jit(grad, backend=backend)
+    out = []
+    for counts in ([[1, 2], [3, 0]], [[3, 0], [0, 3]], [[0, 3], [2, 1]]):
+        x, send = _x(r, 3, 2), torch.tensor(counts[r])
+        out.append((jitted(x, send), grad(x, send)))
+    return [out, jitted.cache_size(), jitted.lower(x, send).collectives]
+
+
+@pytest.mark.parametrize("backend", [AOT, "inductor"])
+def test_ragged_all_to_all_in_a_program(pool, backend: str) -> None:
+    for r, (pairs, programs, collectives) in enumerate(pool.run(2, rank_ragged, backend)):
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
+        assert programs == 1
+        assert [name for name, _ in collectives] == ["ragged_all_to_all"] * 2  # and its transpose
+
+
 # ---------------------------------------------------------------- signatures and the cache
 
 
@@ -284,7 +312,9 @@ def rank_untraceable(tmp: str) -> list[str]:
     calls = {
         "save": lambda x: ps.save(tmp, {"x": x}),
         "spawn": lambda x: ps.spawn(lambda: None, nprocs=1, backend="threads"),
-        "ragged": lambda x: ps.ragged_all_to_all(x, torch.tensor([2, 2]), "ep")[0],
+        "pipeline": lambda x: ps.pipeline_value_and_grad(
+            lambda p, h: h, lambda y, t: y.sum(), num_microbatches=1
+        )({}, x, x),
     }
     out = []
     for fn in calls.values():
@@ -300,7 +330,7 @@ def test_what_cannot_be_traced_is_an_error(pool, tmp_path) -> None:
         assert len(texts) == 3, texts
         assert texts[0].startswith("ps.save cannot be part of a ps.jit program: it writes files")
         assert texts[1].startswith("ps.spawn cannot be part of a ps.jit program")
-        assert texts[2].startswith("ragged_all_to_all cannot be part of a ps.jit program")
+        assert texts[2].startswith("pipeline_value_and_grad cannot be part of a ps.jit program")
     assert not (tmp_path / "ckpt").exists()
 
 

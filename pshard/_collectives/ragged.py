@@ -2,11 +2,14 @@
 ``ragged_all_to_all`` with the offsets computed from the counts), the exchange of expert
 parallelism.
 
-The counts go first, with a check of every rank's, in one small all-gather: a rank whose
-``send_counts`` are wrong (length, sum, sign) makes every rank raise the same ``ValueError``
-before any data moves (never a hang on rows that never come). The rows then go pairwise
+The counts go first, with a check of every rank's, in one small all-gather
+(:func:`pshard._runtime.wire.ragged_counts`): a rank whose ``send_counts`` are wrong (length,
+sum, sign) makes every rank raise the same ``ValueError`` before any data moves (never a hang
+on rows that never come). The rows then go pairwise
 (:func:`pshard._runtime.wire.ragged_exchange`). The transpose is the reverse exchange (the rows
-received sent back where they came from); forward-mode tangents take the same exchange.
+received sent back where they came from); forward-mode tangents take the same exchange. While
+``ps.jit`` traces, the counts are data of the program: one ``pshard::ragged_all_to_all`` node
+does both steps when it runs, its output's rows a size the data decide.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .._core.tree import describe
 from .._runtime import wire
 from .._runtime.debug import check_collective
 from .._runtime.mesh import Axis
-from .._runtime.tracing import refuse
+from .._runtime.tracing import active_trace
 from .._runtime.wire import Comm
 from .._runtime.wire import comm as _comm
 from .apply import call, eager_rules
@@ -52,20 +55,29 @@ class _Ragged(torch.autograd.Function):
 eager_rules(_Ragged)
 
 
-def _row(send_counts: Any, rows: int, size: int) -> tuple[list[int], str]:
-    """This rank's counts and what is wrong with them ("" when nothing is)."""
-    if not isinstance(send_counts, torch.Tensor) or send_counts.dim() != 1:
-        return [0] * size, f"is {describe(send_counts)}, not a 1-D integer tensor"
-    if send_counts.is_floating_point() or send_counts.is_complex():
-        return [0] * size, f"has dtype {send_counts.dtype}, not an integer dtype"
-    counts = [int(v) for v in send_counts.tolist()]
-    if len(counts) != size:
-        return [0] * size, f"has {len(counts)} entries, but the axis has {size} ranks"
-    if any(v < 0 for v in counts):
-        return [0] * size, f"has a negative count ({counts})"
-    if sum(counts) != rows:
-        return [0] * size, f"sums to {sum(counts)}, but x has {rows} rows"
-    return counts, ""
+class _Traced(torch.autograd.Function):
+    """``(x, send_counts, c) -> (y, recv_counts)`` while a program is traced: the counts are
+    tensors (data of the program), the rows received as many as they say."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, send: torch.Tensor, c: Comm) -> Any:
+        return wire.ragged(x, send, c)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.c = inputs[2]
+        ctx.save_for_backward(inputs[1], output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _: Any) -> tuple[Any, ...]:
+        _send, recv = ctx.saved_tensors
+        return call(_Traced, g, recv, ctx.c)[0], None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> Any:
+        send, _recv = ctx.saved_tensors
+        return call(_Traced, t, send, ctx.c)[0], None
 
 
 def ragged_all_to_all(x: torch.Tensor, send_counts: torch.Tensor, axis: Axis) -> Any:
@@ -105,30 +117,19 @@ def ragged_all_to_all(x: torch.Tensor, send_counts: torch.Tensor, axis: Axis) ->
         >>> y.shape, counts
         (torch.Size([3, 2]), tensor([3]))
     """
-    refuse(_FN, "the rows each rank receives are data (their counts decide the output's shape)")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise TypeError(f"{_FN}: x must be a tensor with a dim of rows, got {describe(x)}")
     c = _comm(axis, _FN)
-    counts, wrong = _row(send_counts, x.shape[0], c.size)
+    if active_trace() is not None and c.group is not None:  # ps.jit: the counts are data
+        if not isinstance(send_counts, torch.Tensor):
+            raise TypeError(f"{_FN}: send_counts must be a tensor, got {describe(send_counts)}")
+        return call(_Traced, x, send_counts, c)
+    if c.debug and c.group is not None:
+        check_collective(_FN, c.group, c.name, x[:0])
+    send, recv = wire.ragged_counts(send_counts, x.shape[0], c, _FN)
     dtype = send_counts.dtype if isinstance(send_counts, torch.Tensor) else torch.int64
     device = send_counts.device if isinstance(send_counts, torch.Tensor) else x.device
     if c.group is None:
-        if wrong:
-            raise ValueError(f"{_FN}: send_counts on rank 0 {wrong}")
-        return x, torch.tensor(counts, dtype=dtype, device=device)
-    if c.debug:
-        check_collective(_FN, c.group, c.name, x[:0])
-    row = torch.tensor([0 if wrong else 1, *counts], dtype=torch.int64, device=x.device)
-    table = wire.all_gather(row, c, 0, False).tolist()  # (ranks, 1 + size)
-    bad = [r for r, t in enumerate(table) if not t[0]]
-    if bad:
-        mine = f" (here, rank {c.rank}: send_counts {wrong})" if wrong else ""
-        raise ValueError(
-            f"{_FN}: send_counts are wrong on rank{'s' if len(bad) > 1 else ''} "
-            f"{', '.join(map(str, bad))} of axis {c.name!r}{mine}: each rank passes a 1-D "
-            f"integer tensor of {c.size} counts, none negative, summing to its x's rows; no "
-            f"rows were sent"
-        )
-    recv = tuple(int(table[src][1 + c.rank]) for src in range(c.size))
-    y = call(_Ragged, x, c, tuple(counts), recv)
+        return x, torch.tensor(send, dtype=dtype, device=device)
+    y = call(_Ragged, x, c, send, recv)
     return y, torch.tensor(recv, dtype=dtype, device=device)

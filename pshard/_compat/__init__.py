@@ -49,6 +49,9 @@ from .base import (
     TorchDispatchMode as TorchDispatchMode,
 )
 from .base import (
+    assert_in_program as assert_in_program,
+)
+from .base import (
     aten_op as aten_op,
 )
 from .base import (
@@ -149,6 +152,9 @@ from .base import (
 )
 from .base import (
     resolve_group as resolve_group,
+)
+from .base import (
+    same_size as same_size,
 )
 from .base import (
     storage_key as storage_key,
@@ -296,4 +302,6 @@ __all__ = [
     "mark_side_effect",
     "real_tensors",
     "trace_graph",
+    "same_size",
+    "assert_in_program",
 ]

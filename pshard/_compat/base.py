@@ -466,3 +466,15 @@ def mark_side_effect(op: Any) -> None:
     """Tell torch.fx (and the compilers' dead-code passes that ask it) that ``op`` has effects
     beyond its result: never dropped, never merged."""
     torch.fx.node.has_side_effect(op)
+
+
+def same_size(a: Any, b: Any) -> None:
+    """Tell a trace that two sizes it cannot know are equal (``torch._check``); a plain check
+    of two ints otherwise."""
+    torch._check(a == b)
+
+
+def assert_in_program(condition: torch.Tensor, message: str) -> None:
+    """``condition`` (a bool tensor) must hold when the program runs; a trace records the
+    check (``torch._assert_async``) instead of reading the value."""
+    torch._assert_async(condition, message)

@@ -115,7 +115,7 @@ def jit(
         ConcretizationError: (when called) Python read a traced value (``bool(t)``,
             ``t.item()``, a branch on a tensor), naming the line.
         NotTraceable: (when called) ``fn`` calls what cannot be part of a program
-            (``ps.save``, ``ps.spawn``, ``ragged_all_to_all``).
+            (``ps.save``, ``ps.load``, ``ps.spawn``, a pipeline's schedule).
 
     Example:
         >>> import torch, pshard as ps

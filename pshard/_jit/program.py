@@ -96,14 +96,29 @@ class Compiled:
 
     def run(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The program on the call's tensor leaves; the result rebuilt."""
-        if self._first and self._eager_random:
-            with inductor_eager_random():  # read when the first call compiles
-                flat = self._program(*tensors)
+        if self._first:
+            flat = self._compile_and_run(tensors)
         else:
             flat = self._program(*tensors)
         self._first = False
         out = self.lowered._out
         return tree_unflatten(out.treedef, with_tensors(out.kinds, flat))
+
+    def _compile_and_run(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The first call: the compiler runs (inductor reads its random-number setting now)."""
+        try:
+            if self._eager_random:
+                with inductor_eager_random():
+                    return self._program(*tensors)
+            return self._program(*tensors)
+        except Exception as e:
+            if type(e).__name__ != "InductorError" or not _data_sized(self.lowered.graph):
+                raise
+            raise RuntimeError(
+                f"{self.lowered._name}: inductor could not compile this program, whose sizes "
+                f"depend on data (a ragged_all_to_all: expert parallelism; {e}); "
+                f"backend='aot_eager' runs the same program"
+            ) from e
 
     def __call__(self, *args: Any) -> Any:
         flat = self.lowered._flat
@@ -147,6 +162,11 @@ def lower(fn: Callable[..., Any], flat: Flat, name: str) -> Lowered:
     graph.graph.eliminate_dead_code(is_impure_node=_kept)
     graph.recompile()
     return Lowered(graph, list(trace.collectives), out, flat, name)
+
+
+def _data_sized(graph: torch.fx.GraphModule) -> bool:
+    """Whether the program has an exchange whose size the data decide."""
+    return any(str(n.target).startswith("pshard.ragged") for n in graph.graph.nodes)
 
 
 def _kept(node: torch.fx.Node) -> bool:

@@ -84,6 +84,21 @@ def _reduce(x: torch.Tensor, axis: str, size: int, rank: int, dst: int) -> torch
     return wire.reduce(x, _run(axis, size, rank, "reduce"), dst)
 
 
+@torch.library.custom_op("pshard::ragged_all_to_all", mutates_args=())
+def _ragged(
+    x: torch.Tensor, axis: str, size: int, rank: int, send_counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return wire.ragged(x, send_counts, _run(axis, size, rank, "ragged_all_to_all"))
+
+
+@_ragged.register_fake
+def _(
+    x: torch.Tensor, axis: str, size: int, rank: int, send_counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.library.get_ctx().new_dynamic_size()  # as many as the data say
+    return x.new_empty((rows, *x.shape[1:])), send_counts.new_empty((size,))
+
+
 #: name -> the op of that collective; read-only.
 OPS: Mapping[str, Any] = MappingProxyType(
     {
@@ -95,6 +110,7 @@ OPS: Mapping[str, Any] = MappingProxyType(
         "ppermute": _ppermute,
         "broadcast": _broadcast,
         "reduce": _reduce,
+        "ragged_all_to_all": _ragged,
     }
 )
 

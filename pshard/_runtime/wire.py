@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._compat import constant_result, resolve_group
+from .._core.tree import describe
 from .debug import check_collective, debug_enabled, perm_code
 from .mesh import Axis, AxisInfo, resolve_axis
 from .ranges import profiling, ranged
@@ -54,6 +55,8 @@ __all__ = [
     "pairwise",
     "ppermute",
     "ppermute_start",
+    "ragged",
+    "ragged_counts",
     "ragged_exchange",
     "reduce",
     "reduce_scatter",
@@ -451,6 +454,67 @@ def reduce(x: torch.Tensor, c: Comm, dst: int) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     dist.reduce(out, dst=_peer(c, dst), group=c.group)
     return out if c.rank == dst else out.zero_()
+
+
+def _count_row(send_counts: Any, rows: int, size: int) -> tuple[list[int], str]:
+    """This rank's counts and what is wrong with them ("" when nothing is)."""
+    if not isinstance(send_counts, torch.Tensor) or send_counts.dim() != 1:
+        return [0] * size, f"is {describe(send_counts)}, not a 1-D integer tensor"
+    if send_counts.is_floating_point() or send_counts.is_complex():
+        return [0] * size, f"has dtype {send_counts.dtype}, not an integer dtype"
+    counts = [int(v) for v in send_counts.tolist()]
+    if len(counts) != size:
+        return [0] * size, f"has {len(counts)} entries, but the axis has {size} ranks"
+    if any(v < 0 for v in counts):
+        return [0] * size, f"has a negative count ({counts})"
+    if sum(counts) != rows:
+        return [0] * size, f"sums to {sum(counts)}, but x has {rows} rows"
+    return counts, ""
+
+
+def ragged_counts(
+    send_counts: Any, rows: int, c: Comm, fn: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Every rank's ``send_counts`` checked and exchanged in one small all-gather: this rank's
+    counts to send and to receive (per index).
+
+    Raises:
+        ValueError: on every rank, when the counts of any rank are of the wrong length,
+            negative, or do not sum to its ``rows`` (naming ``send_counts`` and the ranks).
+    """
+    counts, wrong = _count_row(send_counts, rows, c.size)
+    if c.group is None:
+        if wrong:
+            raise ValueError(f"{fn}: send_counts on rank 0 {wrong}")
+        return tuple(counts), tuple(counts)
+    row = torch.tensor([0 if wrong else 1, *counts], dtype=torch.int64)
+    table = all_gather(row, c, 0, False).tolist()  # (ranks, 1 + size)
+    bad = [r for r, t in enumerate(table) if not t[0]]
+    if bad:
+        mine = f" (here, rank {c.rank}: send_counts {wrong})" if wrong else ""
+        raise ValueError(
+            f"{fn}: send_counts are wrong on rank{'s' if len(bad) > 1 else ''} "
+            f"{', '.join(map(str, bad))} of axis {c.name!r}{mine}: each rank passes a 1-D "
+            f"integer tensor of {c.size} counts, none negative, summing to its x's rows; no "
+            f"rows were sent"
+        )
+    return tuple(counts), tuple(int(table[src][1 + c.rank]) for src in range(c.size))
+
+
+def ragged(
+    x: torch.Tensor, send_counts: torch.Tensor, c: Comm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ragged_all_to_all`` with the counts as a tensor: ``(y, recv_counts)``. While a trace
+    is active, its node (the rows received are as many as the data say)."""
+    trace = active_trace()
+    if trace is not None:
+        out: tuple[torch.Tensor, torch.Tensor] = trace.emit(
+            "ragged_all_to_all", x, c, (send_counts,)
+        )
+        return out
+    send, recv = ragged_counts(send_counts, x.shape[0], c, "ragged_all_to_all")
+    y = ragged_exchange(x, c, send, recv)
+    return y, torch.tensor(recv, dtype=send_counts.dtype, device=send_counts.device)
 
 
 @_ranged("ragged_all_to_all")

@@ -12,7 +12,10 @@ Every (token, choice) pair of the top-k routing is a row sent to the rank holdin
    model's own dtype rule and added into each token's row.
 
 Nothing is dropped: the rows each rank receives are exactly its experts' share of the tokens,
-however unbalanced. Every step is differentiable (the exchanges transpose to the reverse
+however unbalanced. While ``ps.jit`` traces, the counts are data of the program (the rows
+received a size the data decide) and nothing is read on the host: a choice of no expert
+travels to expert 0 with weight 0, and a router's choice outside the experts is an assertion of
+the program. Every step is differentiable (the exchanges transpose to the reverse
 exchanges), so gradients reach the experts' blocks, the tokens and the routing weights.
 """
 
@@ -23,6 +26,7 @@ from torch import nn
 
 from .._collectives.functions import all_to_all
 from .._collectives.ragged import ragged_all_to_all
+from .._compat import assert_in_program, same_size, tracing
 from .._modules.adapter import ExpertsPart
 
 __all__ = ["dispatch"]
@@ -43,27 +47,43 @@ def dispatch(
     k = index.shape[-1]
     total = size * local
     chosen = index.reshape(-1)
-    bad = bool(chosen.numel()) and not 0 <= int(chosen.min()) <= int(chosen.max()) <= total
+    traced = tracing([chosen])
     tokens = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(k)
-    # by expert, stably; the choices of expert ``total`` (none, as transformers' experts skip
-    # it) sort last and stay home
-    counted = torch.bincount(chosen.clamp(0, total), minlength=total + 1)
+    keep = None
+    route = chosen
+    if traced:  # choices of no expert (``total``) travel to expert 0 with weight 0: no host read
+        none = chosen == total
+        route, keep = torch.where(none, 0, chosen), (~none).to(weights.dtype)
+    # by expert, stably (so by rank); eagerly, the choices of no expert (``total``, which
+    # transformers' experts skip) sort last and stay home
+    clamped = route.clamp(0, total)
+    counted = torch.zeros(total + 1, dtype=torch.int64, device=chosen.device)
+    counted = counted.scatter_add(0, clamped, torch.ones_like(clamped))
     per_expert = counted[:total].reshape(size, local)
-    order = torch.argsort(chosen, stable=True)[: int(per_expert.sum())]
+    order = torch.argsort(route, stable=True)
+    if not traced:
+        order = order[: int(per_expert.sum())]
     # the counts each rank's experts get from every rank, and whether any rank's router chose
     # an expert that does not exist (then every rank raises, before any row moves)
-    flag = torch.full((size, 1), int(bad), dtype=per_expert.dtype, device=per_expert.device)
-    got = all_to_all(torch.cat([per_expert, flag], dim=1), axis, split_dim=0, concat_dim=0)
-    if bool(got[:, -1].any()):
+    bad = ((chosen < 0) | (chosen > total)).any().to(per_expert.dtype)
+    got = all_to_all(torch.cat([per_expert, bad.expand(size, 1)], dim=1), axis, split_dim=0,
+                     concat_dim=0)  # fmt: skip
+    outside = f"chose experts outside 0..{total - 1} (or {total} for none); no token was sent"
+    if traced:
+        assert_in_program(got[:, -1].sum() == 0, f"expert_parallel: a router {outside}")
+    elif bool(got[:, -1].any()):
         ranks = got[:, -1].nonzero().flatten().tolist()
-        raise ValueError(
-            f"expert_parallel: the router of rank(s) {ranks} of {axis!r} chose experts outside "
-            f"0..{total - 1} (or {total} for none); no token was sent"
-        )
+        raise ValueError(f"expert_parallel: the router of rank(s) {ranks} of {axis!r} {outside}")
     coming = got[:, :-1]
     rows, counts = ragged_all_to_all(hidden[tokens[order]], per_expert.sum(dim=1), axis)
-    ids = torch.arange(local, device=hidden.device).repeat(size)
-    out = part.run_experts(module, rows, ids.repeat_interleave(coming.reshape(-1)))
+    expert_of = torch.arange(local, device=hidden.device).repeat(size)
+    expert_of = expert_of.repeat_interleave(coming.reshape(-1))
+    same_size(expert_of.shape[0], rows.shape[0])  # (traced: one count, two symbols)
+    out = part.run_experts(module, rows, expert_of)
     back, _ = ragged_all_to_all(out, counts, axis)
-    weighted = (back * weights.reshape(-1)[order, None]).to(hidden.dtype)
+    same_size(back.shape[0], order.shape[0])
+    w = weights.reshape(-1)[order, None]
+    if keep is not None:
+        w = w * keep[order, None]
+    weighted = (back * w).to(hidden.dtype)
     return torch.zeros_like(hidden).index_add(0, tokens[order], weighted)

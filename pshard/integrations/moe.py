@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._compat import tracing
+
 __all__ = ["MoeParts"]
 
 _STACKED = ("gate_up_proj", "down_proj")
@@ -79,6 +81,13 @@ class MoeParts:
     ) -> torch.Tensor:
         gate_up: torch.Tensor = module.gate_up_proj  # type: ignore[assignment]
         down: torch.Tensor = module.down_proj  # type: ignore[assignment]
+        if tracing([rows]):  # a program (ps.jit): each expert's rows by a mask, no host read
+            out = rows.new_zeros((rows.shape[0], down.shape[1]))
+            for e in range(gate_up.shape[0]):
+                sel = experts == e
+                y = F.linear(_gate(module, F.linear(rows[sel], gate_up[e])), down[e])
+                out = out.index_put((sel,), y)
+            return out
         order = torch.argsort(experts, stable=True)
         counts = torch.bincount(experts, minlength=gate_up.shape[0]).tolist()
         parts: list[torch.Tensor] = []
