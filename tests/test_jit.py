@@ -334,6 +334,37 @@ def test_what_cannot_be_traced_is_an_error(pool, tmp_path) -> None:
     assert not (tmp_path / "ckpt").exists()
 
 
+def rank_replication_checks() -> tuple:
+    ps.init_mesh({"x": 2})
+    r = ps.axis_index("x")
+
+    def f(w, d):
+        return ps.psum((d * w).sum(), "x")
+
+    checked = ps.jit(ps.shard_map(f, in_specs=(P(), P("x")), out_specs=P(), check_rep=True),
+                     backend=AOT)  # fmt: skip
+    w, d = torch.ones(3, dtype=f64), _x(0, 4, 3)
+    same = checked(w, d)
+    try:
+        checked(w + r, d)  # the same program; the values differ on rank 1
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    with ps.debug():  # debug mode's checks: in the program too
+        debugged = ps.jit(lambda w, d: ps.shard_map(f, in_specs=(P(), P("x")), out_specs=P())(w, d),
+                          backend=AOT)(w, d)  # fmt: skip
+    return same, debugged, error, checked.cache_size()
+
+
+def test_replication_checks_run_in_the_program(pool) -> None:
+    """check_rep=True and debug mode: shapes and dtypes checked when the program is made, the
+    values when it runs (an error on every rank)."""
+    for same, debugged, error, programs in pool.run(2, rank_replication_checks):
+        assert torch.equal(same, debugged) and programs == 1
+        assert "check_rep: inputs must be the same on every rank" in error, error
+        assert error.endswith("the ranks hold different values"), error
+
+
 def test_bad_calls() -> None:
     ps.init_mesh({"x": 1})
     jitted = ps.jit(lambda x: x + 1, backend=AOT)

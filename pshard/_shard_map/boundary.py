@@ -40,12 +40,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import storage_key
+from .._compat import assert_in_program, storage_key
 from .._core.caches import cached
 from .._core.checks import WIRE_DTYPES
 from .._core.layout_rules import index_runs
 from .._core.placements import Shard, StridedShard
-from .._runtime.tracing import outside_trace, refuse
+from .._runtime.tracing import active_trace, outside_trace
 from .._runtime.wire import Comm, all_gather, all_reduce
 
 __all__ = [
@@ -299,18 +299,23 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 def check_replicated(x: torch.Tensor, c: Comm, message: str) -> None:
     """Raise ``ValueError(message + which ranks differ)`` on every rank of ``c`` unless ``x`` has
     the same shape, dtype and values on all of them (a small all-gather of shapes, dtypes and
-    digests, then one exact all-reduce of the values)."""
-    refuse("a check that values are replicated (check_rep=True, debug mode)",
-           "it reads the values")  # fmt: skip
+    digests, then one exact all-reduce of the values). In a traced program (``ps.jit``) shapes
+    and dtypes are checked when the program is made and the values when it runs (a
+    ``RuntimeError`` with ``message`` on every rank)."""
+    traced = active_trace() is not None
     bits = _bits(x)
     n = bits.numel()
-    weights = torch.arange(n, dtype=torch.int64, device=bits.device) * 0x9E3779B1 + 1
-    head = torch.full((3 + max(_SHAPE_WIDTH, x.dim()),), -1, dtype=torch.int64, device=x.device)
-    head[0] = zlib.crc32(str(x.dtype).encode())
-    head[1] = (bits * weights).sum()  # wraps around; only groups ranks for the message
-    head[2] = x.dim()
-    head[3 : 3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    rows = all_gather(head, c, 0, False).tolist()
+    with outside_trace():  # shapes and dtypes: known when a program is made, checked then
+        head = torch.full((3 + max(_SHAPE_WIDTH, x.dim()),), -1, dtype=torch.int64,
+                          device=x.device)  # fmt: skip
+        head[0] = zlib.crc32(str(x.dtype).encode())
+        head[1] = 0
+        if not traced:  # wraps around; only groups ranks for the message
+            weights = torch.arange(n, dtype=torch.int64, device=bits.device) * 0x9E3779B1 + 1
+            head[1] = (bits * weights).sum()
+        head[2] = x.dim()
+        head[3 : 3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        rows = all_gather(head, c, 0, False).tolist()
 
     def global_rank(r: int) -> int:
         return r if c.group is None else dist.get_global_rank(c.group, r)
@@ -324,6 +329,10 @@ def check_replicated(x: torch.Tensor, c: Comm, message: str) -> None:
         )
         raise ValueError(f"{message}; the ranks hold different shapes or dtypes ({held})")
     extremes = all_reduce(torch.cat([bits, ~bits]), c, "pmax")  # max and ~min in one reduction
+    if traced:  # the values: checked when the program runs, on every rank alike
+        same = (extremes[:n] == ~extremes[n:]).all()
+        assert_in_program(same, f"{message}; the ranks hold different values")
+        return
     if torch.equal(extremes[:n], ~extremes[n:]):
         return
     groups: dict[int, list[int]] = {}
