@@ -20,6 +20,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from .._compat import fake_mode_active
+
 __all__ = ["WeakCache", "cache_names", "cached", "clear_caches", "register"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -38,12 +40,23 @@ def register(name: str, clear: Callable[[], None]) -> None:
 
 
 def cached(name: str, maxsize: int) -> Callable[[F], F]:
-    """``functools.lru_cache(maxsize)`` registered as the cache ``name``."""
+    """``functools.lru_cache(maxsize)`` registered as the cache ``name``. While a trace runs
+    (fake tensors: ``ps.jit``, ``torch.compile``) the function is called without the cache:
+    what it makes there (a tensor of the trace) must not outlive the trace."""
 
     def wrap(fn: F) -> F:
-        out = functools.lru_cache(maxsize=maxsize)(fn)
-        register(name, out.cache_clear)
-        return out  # type: ignore[return-value]
+        memo = functools.lru_cache(maxsize=maxsize)(fn)
+        register(name, memo.cache_clear)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if fake_mode_active():
+                return fn(*args, **kwargs)
+            return memo(*args, **kwargs)
+
+        call.cache_clear = memo.cache_clear  # type: ignore[attr-defined]
+        call.cache_info = memo.cache_info  # type: ignore[attr-defined]
+        return call  # type: ignore[return-value]
 
     return wrap
 

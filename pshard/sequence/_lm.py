@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .._collectives.functions import psum
+from .._compat import tracing
 from .._core.checks import check_int
 from .._core.tree import describe
 from .._runtime.mesh import Axis
@@ -231,12 +232,15 @@ def segment_ids_of(
     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
 ) -> torch.Tensor | None:
     """Segment ids of packed rows and padding (see :func:`prepare_lm_batch`), or ``None``
-    when the batch has neither."""
-    padded = attention_mask is not None and bool((attention_mask == 0).any())
+    when the batch has neither. While traced (``ps.jit``: the values unknown) a mask or
+    positions given always make segment ids (all 0 where there is neither: the same
+    attention)."""
+    traced = tracing([t for t in (position_ids, attention_mask) if t is not None])
+    padded = attention_mask is not None and (traced or bool((attention_mask == 0).any()))
     starts = None
     if position_ids is not None and position_ids.shape[1] > 1:
         starts = position_ids == 0
-        if not bool(starts[:, 1:].any()):
+        if not traced and not bool(starts[:, 1:].any()):
             starts = None
     if not padded and starts is None:
         return None

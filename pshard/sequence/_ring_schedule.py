@@ -35,6 +35,7 @@ from typing import Literal, NamedTuple, Protocol
 
 import torch
 
+from .._compat import tracing
 from .._core.caches import cached
 from ._layouts import SeqLayout, pad_permute
 from ._masks import Window, check_window, position_mask, segment_mask, visible_counts
@@ -222,7 +223,8 @@ def block_mask(
 ) -> BlockMask:
     """The mask of one matmul: ``None`` (every key visible), a boolean ``(lq, lk)`` or
     ``(batch..., 1, 1, lq, lk)`` mask, or ``False`` when the segments leave nothing visible in
-    any row (the matmul is skipped). Forward and backward both call it, so they agree."""
+    any row (the matmul is skipped). Forward and backward both call it, so they agree. While
+    traced the segments are data: the mask, whatever it holds."""
     lay = spec.layout
     q0, q1, k0, k1 = b[st.q], b[st.q + 1], b[st.k], b[st.k + 1]
     mask = None
@@ -237,6 +239,8 @@ def block_mask(
     m = segment_mask(mine[..., q0:q1], every[..., off + k0 : off + k1])
     if mask is not None:
         m = m & mask
+    if tracing([m]):  # a program (ps.jit): no skipping on values, the block runs masked
+        return m.unsqueeze(-3).unsqueeze(-3)
     if not bool(m.any()):
         return False
     if bool(m.all()):
