@@ -37,7 +37,9 @@ Imports torch only; every layer of pshard may import it.
   (:func:`data_dependent_errors`), real tensors inside a trace (:func:`real_tensors`), the
   compilers' backends and random numbers (:func:`compile_backends`,
   :func:`inductor_eager_random`), collectives kept by dead-code passes
-  (:func:`mark_side_effect`).
+  (:func:`mark_side_effect`), the graph being traced and its nodes (:func:`graph_in_trace`,
+  :func:`last_node`, :func:`nodes_after`, :func:`node_of`, :func:`on_new_nodes`) and a
+  graph made functional (:func:`retrace_functional`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ from .base import (
     get_attr_key as get_attr_key,
 )
 from .base import (
+    graph_in_trace as graph_in_trace,
+)
+from .base import (
     graph_task_id as graph_task_id,
 )
 from .base import (
@@ -110,6 +115,9 @@ from .base import (
 )
 from .base import (
     is_wrapped as is_wrapped,
+)
+from .base import (
+    last_node as last_node,
 )
 from .base import (
     level_of as level_of,
@@ -133,6 +141,15 @@ from .base import (
     new_level as new_level,
 )
 from .base import (
+    node_of as node_of,
+)
+from .base import (
+    nodes_after as nodes_after,
+)
+from .base import (
+    on_new_nodes as on_new_nodes,
+)
+from .base import (
     outside_transforms as outside_transforms,
 )
 from .base import (
@@ -152,6 +169,9 @@ from .base import (
 )
 from .base import (
     resolve_group as resolve_group,
+)
+from .base import (
+    retrace_functional as retrace_functional,
 )
 from .base import (
     same_size as same_size,
@@ -302,6 +322,12 @@ __all__ = [
     "mark_side_effect",
     "real_tensors",
     "trace_graph",
+    "graph_in_trace",
+    "last_node",
+    "nodes_after",
+    "on_new_nodes",
+    "node_of",
+    "retrace_functional",
     "same_size",
     "assert_in_program",
 ]

@@ -433,6 +433,79 @@ def trace_graph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.GraphMo
     return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
 
 
+def graph_in_trace() -> tuple[torch.fx.Graph, Any] | None:
+    """The graph ``make_fx`` is building in this thread and its tracer, or ``None``."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+    if mode is None:
+        return None
+    return mode.tracer.graph, mode.tracer
+
+
+def last_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The node appended last to ``graph`` (``None`` while it is empty)."""
+    return next(iter(reversed(graph.nodes)), None)
+
+
+def nodes_after(graph: torch.fx.Graph, last: torch.fx.Node | None) -> list[torch.fx.Node]:
+    """The nodes appended to ``graph`` after ``last`` (every node when ``last`` is ``None``)."""
+    if last is None:
+        return list(graph.nodes)
+    out = []
+    node = last.next
+    while node.op != "root":
+        out.append(node)
+        node = node.next
+    return out
+
+
+def node_of(t: torch.Tensor, tracer: Any) -> torch.fx.Node | None:
+    """The node of the graph ``tracer`` builds that made ``t`` (under ``torch.func``'s
+    wrappers), or ``None`` (a tensor the trace does not know: a constant)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    slot = get_proxy_slot(innermost(t), tracer, None)
+    return None if slot is None else slot.proxy.node
+
+
+def on_new_nodes(tracer: Any, seen: Callable[[torch.fx.Node], None]) -> None:
+    """Call ``seen(node)`` for each node ``tracer`` (``make_fx``'s) adds from now on."""
+    create = tracer.create_node
+
+    def create_node(*args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = create(*args, **kwargs)
+        seen(node)
+        return node
+
+    tracer.create_node = create_node
+
+
+def retrace_functional(
+    gm: torch.fx.GraphModule, made: Callable[[torch.fx.Node, list[torch.fx.Node]], None]
+) -> torch.fx.GraphModule:
+    """``gm`` traced again through functionalization (no operation writes in place in the new
+    graph; writes into inputs are ``copy_`` s at its end), on its inputs' fake values;
+    ``made(node, new_nodes)`` is told which nodes of the new graph each node of ``gm`` made."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    class Run(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            found = graph_in_trace()
+            if found is None or n.op in ("placeholder", "output"):
+                return super().run_node(n)
+            before = last_node(found[0])
+            out = super().run_node(n)
+            made(n, nodes_after(found[0], before))
+            return out
+
+    values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    run = Run(gm)
+    return make_fx(
+        torch.func.functionalize(run.run, remove="mutations"),
+        tracing_mode="fake",
+        _allow_non_fake_inputs=True,
+    )(*values)
+
+
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """What a fake-tensor trace raises where Python reads a traced value (``.item()``,
     ``bool(t)``) or an output's shape depends on values (``nonzero``)."""

@@ -34,7 +34,8 @@ import torch
 from .._compat import data_dependent_errors, inductor_eager_random, trace_graph
 from .._core.tree import keystr, leaf_path, tree_flatten, tree_unflatten
 from .._modules.adapter import prepare_tracing
-from .._runtime.ops import emit
+from .._remat.traced import recording, rematerialize
+from .._runtime.ops import OPS, emit
 from .._runtime.tracing import Trace, tracing
 from .signature import Flat, flatten_call, tensor_leaves, with_tensors
 
@@ -56,6 +57,7 @@ class _Out:
     def __init__(self) -> None:
         self.treedef: Any = None
         self.kinds: list[Any] = []
+        self.donations: list[tuple[int, int]] = []  # (input, output) sharing storage
 
 
 class Lowered:
@@ -149,19 +151,72 @@ def lower(fn: Callable[..., Any], flat: Flat, name: str) -> Lowered:
                 )
         results, kinds = tensor_leaves(leaves)
         out.treedef, out.kinds = treedef, kinds
-        return _donate(results, [(i, tensors[i]) for i in sorted(donated)])
+        return _donate(results, [(i, tensors[i]) for i in sorted(donated)], out.donations)
 
     prepare_tracing()  # model families skip their checks on values when they see a trace
-    with tracing(trace):
+    with tracing(trace), recording() as regions:
         try:
             graph = trace_graph(program, flat.tensors)
         except data_dependent_errors() as e:
             raise ConcretizationError(_concretization_message(e, name)) from None
+    remade = rematerialize(graph, regions, _renamed)  # what checkpoints recompute
+    if remade is not graph:
+        _donated_outputs(remade, out.donations)
+        graph = remade
     # checks whose results nothing reads (transforms compare shapes as they go) go; every
     # collective stays, used or not (each rank issues the same ones)
     graph.graph.eliminate_dead_code(is_impure_node=_kept)
     graph.recompile()
-    return Lowered(graph, list(trace.collectives), out, flat, name)
+    return Lowered(graph, _collectives(graph, trace), out, flat, name)
+
+
+def _renamed(node: torch.fx.Node, k: int) -> tuple[Any, ...] | None:
+    """The arguments of a collective's node issued again (the ``k``-th copy): its own key
+    (``None`` for any other node)."""
+    if not _is_collective(node):
+        return None
+    x, key, *rest = node.args
+    return (x, f"{key}.{k}", *rest)
+
+
+def _is_collective(node: torch.fx.Node) -> bool:
+    op: Any = node.target
+    return (
+        node.op == "call_function"
+        and getattr(op, "namespace", None) == "pshard"
+        and (getattr(op, "_opname", None) in OPS)
+    )
+
+
+def _collectives(graph: torch.fx.GraphModule, trace: Trace) -> list[Any]:
+    """``(name, axis)`` of each collective node, in program order (the trace's list, with the
+    collectives checkpoints issue again)."""
+    found = []
+    for n in graph.graph.nodes:
+        if _is_collective(n):
+            place = str(n.args[1]).partition("#")[2].partition(".")[0]
+            found.append(trace.collectives[int(place)])
+    return found
+
+
+def _donated_outputs(graph: torch.fx.GraphModule, donations: list[tuple[int, int]]) -> None:
+    """After the program was made functional, each donated output is its input again (the
+    ``copy_`` into the input that ends the program, whose result is the input)."""
+    if not donations:
+        return
+    inputs = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    writes = {}
+    for n in graph.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
+            writes[n.args[0]] = n
+    output = graph.graph.output_node()
+    results = list(output.args[0])  # type: ignore[arg-type]
+    for i, j in donations:
+        write = writes.get(inputs[i])
+        if write is None:
+            raise AssertionError(f"donated input {i} is not written by the functional program")
+        results[j] = write
+    output.args = (results, *output.args[1:])
 
 
 def _data_sized(graph: torch.fx.GraphModule) -> bool:
@@ -174,19 +229,23 @@ def _kept(node: torch.fx.Node) -> bool:
 
 
 def _donate(
-    results: list[torch.Tensor], donated: list[tuple[int, torch.Tensor]]
+    results: list[torch.Tensor],
+    donated: list[tuple[int, torch.Tensor]],
+    pairs: list[tuple[int, int]],
 ) -> list[torch.Tensor]:
     """Each donated input takes the first result of its shape, dtype and device not yet
-    taken (written into it; the input returned in its place)."""
+    taken (written into it; the input returned in its place); ``pairs`` gets ``(input,
+    output)`` for each."""
     taken: set[int] = set()
     out = list(results)
-    for _, inp in donated:
+    for i, inp in donated:
         if inp.requires_grad:
             continue
         for j, r in enumerate(results):
             if j in taken or r.shape != inp.shape or r.dtype != inp.dtype or r.device != inp.device:
                 continue
             taken.add(j)
+            pairs.append((i, j))
             inp.copy_(r)
             out[j] = inp
             break

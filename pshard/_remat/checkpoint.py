@@ -39,6 +39,7 @@ import torch
 from pshard._core.tree import describe
 
 from .. import _compat as compat
+from . import traced
 from .function import Call, flatten
 from .lift import Lifted, find_modules, unpack_partial
 from .policies import Policy, everything_saveable, resolve
@@ -68,7 +69,9 @@ def _apply(
     fn, args, kwargs = unpack_partial(fn, args, kwargs)
     leaves, treedef = flatten((args, kwargs))  # a GlobalTensor as its block
     if compat.tracing([x for x in leaves if isinstance(x, torch.Tensor)]):
-        return fn(*args, **kwargs)  # a trace (torch.compile, fake tensors) recomputes nothing
+        if traced.recording_active():  # a ps.jit program: recomputed in the program
+            return traced.call(fn, policy, args, kwargs)
+        return fn(*args, **kwargs)  # another trace (torch.compile, fake tensors): run once
     return Call(fn, _name(fn), policy, treedef, leaves, Lifted(find_modules(fn, leaves))).apply()
 
 

@@ -7,9 +7,10 @@ that output until the backward, where the recompute takes it instead of computin
 (no FLOPs, no communication); ``False`` leaves it to the recompute. ``op`` is the operator that
 runs below ``torch.func``'s transforms and autograd (a ``torch._ops.OpOverload`` such as
 ``torch.ops.aten.mm.default``, or ``torch.ops.c10d.allreduce_.default`` for the communication
-of a pshard collective) and ``args``/``kwargs`` are what it receives (plain tensors, shapes,
-scalars), as for ``torch.utils.checkpoint``'s selective policies and JAX's
-``policy(prim, *avals, **params)``.
+of a pshard collective; inside a ``ps.jit`` program, the collective's own op,
+``torch.ops.pshard.psum.default``) and ``args``/``kwargs`` are what it receives (plain
+tensors, shapes, scalars; fake tensors inside a ``ps.jit`` program), as for
+``torch.utils.checkpoint``'s selective policies and JAX's ``policy(prim, *avals, **params)``.
 
 Not every operation can be kept: views and metadata (a view of a kept value costs nothing),
 random draws (the recompute draws the same numbers again from the generator state of the
@@ -91,19 +92,33 @@ def is_dot(op: Any) -> bool:
 _COMMUNICATION = frozenset({"c10d", OPS_NAMESPACE})
 
 
+# the collectives of a ps.jit program (pshard::<name>, :mod:`pshard._runtime.ops`)
+_TRACED = frozenset(
+    {
+        "psum", "pextreme", "all_gather", "psum_scatter", "all_to_all", "broadcast", "reduce",
+        "ragged_all_to_all",
+    }
+)  # fmt: skip
+
+
 def is_collective(op: Any) -> bool:
     """Whether ``op`` is the communication of a collective (``torch.ops.c10d``, or the
     in-process ranks' ``torch.ops.pshard_threads``: all-reduce, all-gather, reduce-scatter,
-    all-to-all, broadcast, reduce, gather, scatter)."""
-    return (
-        getattr(op, "namespace", None) in _COMMUNICATION
-        and getattr(op, "_opname", None) in _COLLECTIVES
-    )
+    all-to-all, broadcast, reduce, gather, scatter; in a ``ps.jit`` program, the ``pshard::``
+    op of a collective: ``torch.ops.pshard.all_gather.default``, ...)."""
+    space, name = getattr(op, "namespace", None), getattr(op, "_opname", None)
+    if space == "pshard":
+        return name in _TRACED
+    return space in _COMMUNICATION and name in _COLLECTIVES
 
 
 def is_p2p(op: Any) -> bool:
-    """Whether ``op`` communicates without being a collective (sends, receives, barriers)."""
-    return getattr(op, "namespace", None) in _COMMUNICATION and not is_collective(op)
+    """Whether ``op`` communicates without being a collective (sends, receives, barriers; in a
+    ``ps.jit`` program, ``pshard::ppermute``)."""
+    space = getattr(op, "namespace", None)
+    if space == "pshard":
+        return getattr(op, "_opname", None) == "ppermute"
+    return space in _COMMUNICATION and not is_collective(op)
 
 
 # --- policies -------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ Either way a unit's gather is one differentiable operation that casts too
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ from .._core.placements import P, Replicate, Shard, StridedShard
 from .._core.specs import broadcast_prefix_flat
 from .._core.tree import describe, tree_flatten
 from .._runtime.mesh import mesh_for
+from .._runtime.tracing import active_trace
 from .._runtime.wire import comm
 from .fsdp_policy import ShardedCallPolicy
 from .global_ops import block_plan
@@ -218,7 +220,9 @@ def sharded_call(
     current unit computes, in the forward (the model's order of units) and in the backward
     (the reverse of the order the forward ran them in); on an accelerator the reduce-scatters
     of gradients run while the backward goes on. The numbers are those of ``prefetch=False``,
-    bit for bit. ``reshard_after_forward=False`` keeps each unit's gathered weights from its
+    bit for bit. In a ``ps.jit`` program the gathers are the program's nodes, each in its
+    unit (issued again in the backward), and the compiler orders them.
+    ``reshard_after_forward=False`` keeps each unit's gathered weights from its
     forward to its backward (ZeRO-2: no second gather, one gathered unit more per unit).
 
     Gradients: exact under ``torch.func.grad`` / ``vjp`` / ``jvp`` / ``vmap`` and
@@ -272,6 +276,8 @@ def sharded_call(
         (torch.bfloat16, torch.float32)
     """
     policy = ShardedCallPolicy.of(param_dtype, reduce_dtype, prefetch, reshard_after_forward)
+    if active_trace() is not None:  # a program (ps.jit): each gather inside its unit's region,
+        policy = dataclasses.replace(policy, prefetch=False)  # recomputed there in the backward
     kwargs = dict(kwargs or {})
     args = args if isinstance(args, tuple) else (args,)
     if not isinstance(module, torch.nn.Module):

@@ -1,0 +1,312 @@
+"""``ps.checkpoint`` inside a ``ps.jit`` program: what the policy does not keep is computed
+again in the program's backward, as eager code computes it again.
+
+**Recording** (:func:`recording`, :func:`call`). While ``ps.jit`` traces, a checkpointed call
+runs its function once, as if it were not checkpointed, and marks the nodes its forward added
+to the program: a *region*, with its policy, the nodes of its results, and the values named
+with :func:`pshard.checkpoint_name`. A region inside a region belongs to both; the innermost
+one's policy decides.
+
+**Rewriting** (:func:`rematerialize`), once the trace is done. The program is first made
+functional (traced again through functionalization: no value changes after it is made, so a
+value computed again is the value computed the first time). Then, for each outermost region:
+
+- *kept*: its results, what its policies keep (``policy(op, *args, **kwargs)`` as in eager
+  code, asked with the op of the node and the fake values of its arguments; a named value
+  ``policy(checkpoint_name, x, name=name)``), and its random draws (the program keeps the
+  forward's numbers instead of drawing them again: the same numbers as eager code, which
+  draws them again from the forward's generator state; the generator is untouched);
+- every other value of the region that the backward reads (the nodes made while autograd
+  ran a backward; later forward code reads the forward's value) is computed again, with
+  everything it needs inside the region, just before the first node of the backward that
+  reads it; collectives among them are issued again (a node of their own);
+- what that recompute reads (the region's inputs and the values kept) passes through
+  ``pshard::remat_barrier``, an op that copies them once the backward has reached that point:
+  compilers can neither merge the recompute with the forward (its inputs are new values) nor
+  move it before the backward needs it (JAX's ``optimization_barrier``).
+
+Internal interface: :func:`recording`, :func:`recording_active`, :func:`call`,
+:func:`rematerialize`, :class:`Regions`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from .. import _compat as compat
+from .function import flatten
+from .names import NAMER, checkpoint_name
+from .policies import Policy, is_p2p
+
+__all__ = ["Regions", "call", "recording", "recording_active", "rematerialize"]
+
+_TAG = "pshard_remat"  # node.meta key: the regions a node belongs to, outermost first
+_OUT = "pshard_remat_out"  # the regions whose result the node is
+_NAMES = "pshard_remat_names"  # names given with checkpoint_name
+_BACKWARD = "pshard_remat_backward"  # made while autograd ran a backward
+_KEYS = (_TAG, _OUT, _NAMES, _BACKWARD)
+
+
+@torch.library.custom_op("pshard::remat_barrier", mutates_args=())
+def _barrier(xs: list[torch.Tensor], after: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``xs``, made once ``after`` exist (see the module docs)."""
+    return [x.clone() for x in xs]
+
+
+@_barrier.register_fake
+def _(xs: list[torch.Tensor], after: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.clone() for x in xs]
+
+
+class Regions:
+    """The checkpointed calls of one trace: the policy of each, by index."""
+
+    def __init__(self) -> None:
+        self.policies: list[Policy] = []
+        self.watched: set[int] = set()  # the tracers whose new nodes are marked
+
+    def watch(self, tracer: Any) -> None:
+        """Mark the nodes ``tracer`` makes while autograd runs a backward (its readers)."""
+        if id(tracer) in self.watched:
+            return
+        self.watched.add(id(tracer))
+
+        def seen(node: Node) -> None:
+            if compat.graph_task_id() != -1:
+                node.meta[_BACKWARD] = True
+
+        compat.on_new_nodes(tracer, seen)
+
+
+_REGIONS: contextvars.ContextVar[Regions | None] = contextvars.ContextVar(
+    "pshard_remat_regions", default=None
+)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Regions]:
+    """Checkpointed calls in the block are recorded as regions of the program being traced."""
+    regions = Regions()
+    token = _REGIONS.set(regions)
+    try:
+        yield regions
+    finally:
+        _REGIONS.reset(token)
+
+
+def recording_active() -> bool:
+    """Whether a program is being traced with its checkpointed calls recorded."""
+    return _REGIONS.get() is not None
+
+
+def call(
+    fn: Callable[..., Any], policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``fn(*args, **kwargs)`` run once, its nodes marked as a region with ``policy``."""
+    regions = _REGIONS.get()
+    found = compat.graph_in_trace()
+    if regions is None or found is None:
+        return fn(*args, **kwargs)
+    graph, tracer = found
+    regions.watch(tracer)
+    index = len(regions.policies)
+    regions.policies.append(policy)
+
+    def name(x: torch.Tensor, label: str) -> None:
+        # the name is the value's, and of what wrote its data (through views, as in eager code)
+        node: Node | None = compat.node_of(x, tracer)
+        while node is not None:
+            node.meta[_NAMES] = (*node.meta.get(_NAMES, ()), label)
+            node = _viewed(node)
+
+    before = compat.last_node(graph)
+    token = NAMER.set(name)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        NAMER.reset(token)
+    for node in compat.nodes_after(graph, before):
+        node.meta[_TAG] = (index, *node.meta.get(_TAG, ()))
+    leaves, _ = flatten(out)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            made = compat.node_of(leaf, tracer)
+            if made is not None:
+                made.meta[_OUT] = (*made.meta.get(_OUT, ()), index)
+    return out
+
+
+# --- the rewrite ----------------------------------------------------------------------------------
+
+
+def rematerialize(
+    gm: GraphModule, regions: Regions, renamed: Callable[[Node, int], tuple[Any, ...] | None]
+) -> GraphModule:
+    """``gm`` with what its regions' policies do not keep computed again where the rest of the
+    program reads it (see the module docs); ``gm`` itself when it has no region.
+
+    ``renamed(node, k)`` gives the arguments of the ``k``-th copy of a node that needs others
+    (a collective issued again has a key of its own), or ``None``."""
+    if not regions.policies or not any(_TAG in n.meta for n in gm.graph.nodes):
+        return gm
+
+    def made(old: Node, new: list[Node]) -> None:
+        for key in _KEYS:
+            if key in old.meta:
+                for n in new:
+                    n.meta[key] = old.meta[key]
+
+    gm = compat.retrace_functional(gm, made)
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    members: dict[int, list[Node]] = {}
+    for n in graph.nodes:
+        tags = n.meta.get(_TAG)
+        if tags:
+            members.setdefault(tags[0], []).append(n)
+    copies = [0]
+    for region, nodes in members.items():
+        _recompute(graph, region, nodes, regions, order, renamed, copies)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _recompute(
+    graph: Graph,
+    region: int,
+    nodes: list[Node],
+    regions: Regions,
+    order: dict[Node, int],
+    renamed: Callable[[Node, int], tuple[Any, ...] | None],
+    copies: list[int],
+) -> None:
+    """Rewrite one outermost region (see the module docs)."""
+    inside = set(nodes)
+    kept = {n for n in nodes if _kept(n, region, regions)}
+    for n in nodes:  # the parts of a kept multi-output op are kept
+        if n.target is operator.getitem and n.args[0] in kept:
+            kept.add(n)
+    readers = {n: [u for u in n.users if u not in inside and _BACKWARD in u.meta] for n in nodes}
+    wanted = [n for n in nodes if n not in kept and readers[n]]
+    if not wanted:
+        return
+    needed: set[Node] = set()
+    stack = list(wanted)
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in inside and a not in kept)
+    first = min((u for n in wanted for u in readers[n]), key=order.__getitem__)
+    ordered = sorted(needed, key=order.__getitem__)
+    inputs = sorted(
+        {a for n in ordered for a in n.all_input_nodes if a not in needed},
+        key=order.__getitem__,
+    )
+    fenced = _fenced(ordered, inputs)
+    after = _reached(first, inside)
+    env: dict[Node, Node] = {}
+    with graph.inserting_before(first):
+        if fenced and after:
+            barrier = graph.call_function(torch.ops.pshard.remat_barrier.default, (fenced, after))
+            barrier.meta["val"] = [a.meta["val"] for a in fenced]
+            for i, a in enumerate(fenced):
+                part = graph.call_function(operator.getitem, (barrier, i))
+                part.meta["val"] = a.meta["val"]
+                env[a] = part
+        for n in ordered:
+            c = graph.node_copy(n, lambda a: env.get(a, a))
+            for key in _KEYS:
+                c.meta.pop(key, None)
+            new_args = renamed(n, copies[0] + 1)
+            if new_args is not None:
+                copies[0] += 1
+                c.args = new_args
+            env[n] = c
+    for n in wanted:
+        for u in readers[n]:
+            u.replace_input_with(n, env[n])
+
+
+def _fenced(ordered: list[Node], inputs: list[Node]) -> list[Node]:
+    """The inputs of a recompute that pass through the barrier: every tensor computed by the
+    program, and where an operation reads only the program's inputs (a first layer's ``x @ w``,
+    a gather of a parameter's block), the smallest of those (the batch, not the weight), so
+    that every operation of the recompute waits for the barrier."""
+    fenced = [a for a in inputs if a.op == "call_function" and _is_tensor(a)]
+    behind = set(fenced)
+    for n in ordered:
+        if any(a in behind for a in n.all_input_nodes):
+            behind.add(n)
+            continue
+        if _viewed(n) is not None:
+            continue  # a view of an input: nothing computed, nothing to merge
+        given = [a for a in n.all_input_nodes if a.op == "placeholder" and _is_tensor(a)]
+        if given:
+            smallest = min(given, key=_size)
+            fenced.append(smallest)
+            behind.update((smallest, n))
+    return sorted(set(fenced), key=fenced.index)
+
+
+def _size(n: Node) -> int:
+    try:
+        return int(n.meta["val"].numel())
+    except (TypeError, RuntimeError):  # a size the data decide
+        return 1 << 62
+
+
+def _viewed(n: Node) -> Node | None:
+    """What ``n`` is a view of (``None``: ``n`` is no view)."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], Node):
+        return None
+    if n.target is operator.getitem or (
+        isinstance(n.target, compat.OpOverload) and n.target.is_view
+    ):
+        return n.args[0]
+    return None
+
+
+def _reached(first: Node, inside: set[Node]) -> list[Node]:
+    """Tensors computed after the region that ``first`` (the first reader of the region's
+    values after it) reads: the point the backward has reached."""
+    return [
+        a
+        for a in first.all_input_nodes
+        if a not in inside and a.op == "call_function" and _is_tensor(a)
+    ]
+
+
+def _is_tensor(n: Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def _kept(n: Node, region: int, regions: Regions) -> bool:
+    """Whether the program keeps ``n`` (a node of ``region``) for the backward."""
+    if region in n.meta.get(_OUT, ()):
+        return True
+    if n.op != "call_function" or not isinstance(n.target, compat.OpOverload):
+        return False
+    op = n.target
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return True  # the forward's numbers, not drawn again
+    policy = regions.policies[n.meta[_TAG][-1]]
+    value = n.meta.get("val")
+    keep = False
+    if not (op.is_view or not n.all_input_nodes or is_p2p(op)):
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+        keep = bool(policy(op, *args, **kwargs))
+    for label in n.meta.get(_NAMES, ()):
+        if policy.vetoes(label):
+            return False
+        keep = keep or bool(policy(checkpoint_name, value, name=label))
+    return keep
