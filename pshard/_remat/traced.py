@@ -277,13 +277,14 @@ def _viewed(n: Node) -> Node | None:
 
 
 def _reached(first: Node, inside: set[Node]) -> list[Node]:
-    """Tensors computed after the region that ``first`` (the first reader of the region's
-    values after it) reads: the point the backward has reached."""
-    return [
-        a
-        for a in first.all_input_nodes
-        if a not in inside and a.op == "call_function" and _is_tensor(a)
-    ]
+    """The tensor the backward made last before ``first`` (the first node of the backward
+    that reads the region's values): the point the backward has reached."""
+    n = first.prev
+    while n.op != "root":
+        if _BACKWARD in n.meta and n not in inside and n.op == "call_function" and _is_tensor(n):
+            return [n]
+        n = n.prev
+    return []
 
 
 def _is_tensor(n: Node) -> bool:
