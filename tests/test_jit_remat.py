@@ -186,12 +186,13 @@ def rank_sharded_call() -> tuple:
 
 def test_sharded_call_gathers_again_in_the_program(pool) -> None:
     """FSDP's reshard-after-forward holds in a program: the weights the backward needs (every
-    unit's but the first's, whose input is data) are gathered again, not kept."""
+    unit's but the first's, whose input is data) are gathered again, not kept; a unit's
+    parameters are gathered (and their gradients reduce-scattered) in one exchange."""
     for r, (pairs, names) in enumerate(pool.run(2, rank_sharded_call)):
         for got, want in pairs:
             torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
-        assert names.count("all_gather") == 6 + 2, names  # weight and bias of 3, 2 weights
-        assert names.count("psum_scatter") == 6, names
+        assert names.count("all_gather") == 3 + 2, names  # each unit, then units 2 and 3
+        assert names.count("psum_scatter") == 3, names
 
 
 # ---------------------------------------------------------------- random draws, transforms
@@ -276,3 +277,85 @@ def test_a_donated_step_with_checkpoints_keeps_its_buffers() -> None:
     got = jitted(donated, tx.init(donated), x)
     torch.testing.assert_close(got[0]["w"], eager[0]["w"], **EXACT)
     assert got[0]["w"].untyped_storage().data_ptr() == ptr
+
+
+def test_hugging_face_checkpointed_layers_in_a_program() -> None:
+    """ps.checkpoint_layers of a Llama: each decoder layer a region of the program (its
+    attention and MLP computed again in the backward), the gradients eager's."""
+    transformers = pytest.importorskip("transformers")
+    ps.init_mesh({"x": 1})
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).double().train()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ids = torch.randint(0, 64, (2, 16))
+
+    def loss(p, ids):
+        return torch.func.functional_call(model, p, (ids,), {"labels": ids, "use_cache": False})
+
+    f = torch.func.grad(lambda p, ids: loss(p, ids).loss)
+    plain = ps.jit(f, backend=AOT).lower(params, ids).graph
+    ps.checkpoint_layers(model)
+    jitted = ps.jit(f, backend=AOT)
+    got, want = jitted(params, ids), f(params, ids)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **EXACT, msg=k)
+    graph = jitted.lower(params, ids).graph
+    assert _count(graph, "remat_barrier") == 3
+    assert _count(graph, "aten.mm") > _count(plain, "aten.mm")
+    assert _peak(graph) < _peak(plain)
+
+
+def test_microbatches_of_checkpointed_code_in_a_program() -> None:
+    """pmap_microbatch over a checkpointed layer (its batch-dim analysis traces the layer
+    too): eager's gradient, every microbatch's layer computed again."""
+    ps.init_mesh({"x": 1})
+    w, d = _x(0, 8, 8) / 3, _x(1, 12, 8)
+    layer = ps.checkpoint(lambda w, h: torch.sin(torch.tanh(h @ w)))
+
+    def loss(w, d):
+        return ps.pmap_microbatch(
+            lambda w, d: (layer(w, d) ** 2).mean(), num_microbatches=3,
+            in_specs=(None, ps.Shard(0)), out_specs=ps.Partial("mean"),
+        )(w, d)  # fmt: skip
+
+    f = torch.func.grad(loss)
+    jitted = ps.jit(f, backend=AOT)
+    torch.testing.assert_close(jitted(w, d), f(w, d), **EXACT)
+    assert _count(jitted.lower(w, d).graph, "remat_barrier") == 3
+
+
+def rank_sharded_call_layouts(world: int, spec: tuple) -> list:
+    mesh = {"dp": world} if len(spec) == 1 else {"dp": 2, "tp": 2}
+    ps.init_mesh(mesh)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(7, 10), torch.nn.Tanh(), torch.nn.Linear(10, 5), torch.nn.Tanh(),
+        torch.nn.Linear(5, 3),
+    ).double()  # fmt: skip
+    specs = P(spec if len(spec) > 1 else spec[0])
+    params = ps.shard({k: v.detach() for k, v in model.named_parameters()}, specs)
+    x = _x(0, 2 * world, 7, seed=2)
+
+    def loss(params, x):
+        def body(blocks, x):
+            out = ps.sharded_call(model, blocks, (x,), specs=specs, units=[torch.nn.Linear])
+            return ps.psum((out**2).sum(), "dp")
+
+        return ps.shard_map(body, in_specs=(specs, P("dp")), out_specs=P())(params, x)
+
+    f = torch.func.grad(loss)
+    got, want = ps.jit(f, backend=AOT)(params, x), f(params, x)
+    return [(got[k].local, want[k].local) for k in want]
+
+
+@pytest.mark.parametrize("world, spec", [(3, ("dp",)), (4, ("dp", "tp"))])
+def test_sharded_call_programs_with_uneven_and_nested_blocks(pool, world, spec) -> None:
+    """A unit's parameters gathered in one exchange per axis: blocks of 10, 5 and 3 rows over
+    3 ranks (padded), and split over two axes (the second level per parameter)."""
+    for r, pairs in enumerate(pool.run(world, rank_sharded_call_layouts, world, spec)):
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")

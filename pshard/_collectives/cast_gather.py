@@ -235,13 +235,17 @@ class PendingGather:
         self._blocks = list(blocks) if stream is not None and stream.active else []
         self._parts: list[tuple[torch.Tensor, list[Any]] | torch.Tensor] = []
         with contextlib.nullcontext() if stream is None else stream.issue():
-            for bp, b in zip(plan.blocks, blocks, strict=True):
+            firsts: dict[int, tuple[torch.Tensor, Comm]] = {}
+            for i, (bp, b) in enumerate(zip(plan.blocks, blocks, strict=True)):
                 x = _cast(b, plan.param_dtype if bp.cast else None)
                 if not bp.levels:
                     self._parts.append(x if x is not b else b.clone())
                     continue
                 lv = bp.levels[0]
-                self._parts.append(wire.all_gather_start(_pad(x, lv.dim, lv.piece), lv.comm))
+                firsts[i] = (_pad(x, lv.dim, lv.piece), lv.comm)
+                self._parts.append(x)  # its gather's, below
+            for i, part in _gathers_start(firsts).items():
+                self._parts[i] = part
 
     def matches(self, blocks: Sequence[torch.Tensor]) -> bool:
         return len(blocks) == len(self.versions) and all(
@@ -267,6 +271,30 @@ class PendingGather:
             out.append(x)
         self._parts, self._blocks = [], []
         return out
+
+
+def _gathers_start(
+    firsts: dict[int, tuple[torch.Tensor, Comm]],
+) -> dict[int, tuple[torch.Tensor, list[Any]]]:
+    """Issue the all-gathers of the pieces ``firsts`` (index -> piece, axis): one each, or,
+    in a program (``ps.jit``), one per axis and dtype for all the pieces of a unit (a
+    program's collectives run one after the other: one exchange, not one per parameter)."""
+    if active_trace() is None:
+        return {i: wire.all_gather_start(x, c) for i, (x, c) in firsts.items()}
+    groups: dict[tuple[str, torch.dtype], list[int]] = {}
+    for i, (x, c) in firsts.items():
+        groups.setdefault((c.key, x.dtype), []).append(i)
+    out: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+    for members in groups.values():
+        c = firsts[members[0]][1]
+        flat = torch.cat([firsts[i][0].reshape(-1) for i in members])
+        buf, pending = wire.all_gather_start(flat, c)  # (size, total)
+        start = 0
+        for i in members:
+            x = firsts[i][0]
+            out[i] = (buf[:, start : start + x.numel()].reshape(c.size, *x.shape), pending)
+            start += x.numel()
+    return out
 
 
 def gather_start(
@@ -314,22 +342,29 @@ class PendingScatter:
     def _issue(
         self, plan: UnitPlan, dtypes: Sequence[torch.dtype], cotangents: Sequence[torch.Tensor]
     ) -> None:
-        for bp, dtype, g in zip(plan.blocks, dtypes, cotangents, strict=True):
+        lasts: dict[int, tuple[torch.Tensor, Level | None]] = {}
+        for i, (bp, g) in enumerate(zip(plan.blocks, cotangents, strict=True)):
             g = _cast(g, plan.reduce_dtype if bp.cast else None)
-            if bp.transpose == "slice":
-                self.outputs.append(_slice(g, bp, dtype))
+            if bp.transpose == "slice" or not bp.levels:
+                lasts[i] = (g, None)
                 continue
             for lv in reversed(bp.levels[1:]):
                 out, pending = wire.reduce_scatter_start(_unassemble(g, lv), lv.comm, lv.dim)
                 wire.wait(pending)
                 g = out.narrow(lv.dim, 0, lv.own)
-            if not bp.levels:
+            lasts[i] = (_unassemble(g, bp.levels[0]), bp.levels[0])
+        scattered = _scatters_start({i: (u, lv) for i, (u, lv) in lasts.items() if lv is not None})
+        for i, (bp, dtype) in enumerate(zip(plan.blocks, dtypes, strict=True)):
+            g, last = lasts[i]
+            if bp.transpose == "slice":
+                self.outputs.append(_slice(g, bp, dtype))
+                continue
+            if last is None:
                 self.outputs.append(_cast(g, dtype) if g.dtype != dtype else g.clone())
                 continue
-            lv = bp.levels[0]
-            out, pending = wire.reduce_scatter_start(_unassemble(g, lv), lv.comm, lv.dim)
+            out, pending = scattered[i]
             self._pending += pending
-            mine = out.narrow(lv.dim, 0, lv.own)
+            mine = out.narrow(last.dim, 0, last.own)
             if mine.dtype == dtype:
                 self.outputs.append(mine)
             else:  # cast once the sum is there
@@ -344,6 +379,37 @@ class PendingScatter:
         for finish in self._finish:
             finish()
         self._pending, self._finish, self._held = [], [], []
+
+
+def _scatters_start(
+    lasts: dict[int, tuple[torch.Tensor, Level]],
+) -> dict[int, tuple[torch.Tensor, list[Any]]]:
+    """Issue the reduce-scatters of the unassembled cotangents ``lasts`` (index ->
+    cotangent, level): one each, or in a program one per axis and dtype (see
+    :func:`_gathers_start`); each result is this rank's ``piece`` along the level's dim."""
+    if active_trace() is None:
+        return {i: wire.reduce_scatter_start(u, lv.comm, lv.dim) for i, (u, lv) in lasts.items()}
+    groups: dict[tuple[str, torch.dtype], list[int]] = {}
+    for i, (u, lv) in lasts.items():
+        groups.setdefault((lv.comm.key, u.dtype), []).append(i)
+    out: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+    for members in groups.values():
+        c = lasts[members[0]][1].comm
+        slabs = []  # each (size, piece elements): rank r's slab in row r
+        for i in members:
+            u, lv = lasts[i]
+            slabs.append(u.unflatten(lv.dim, (c.size, lv.piece)).movedim(lv.dim, 0).reshape(
+                c.size, -1))  # fmt: skip
+        summed, pending = wire.reduce_scatter_start(torch.cat(slabs, 1), c, 0)  # (1, total)
+        start = 0
+        for i in members:
+            u, lv = lasts[i]
+            shape = list(u.shape)
+            shape[lv.dim] = lv.piece
+            n = u.numel() // c.size
+            out[i] = (summed[0, start : start + n].reshape(shape), pending)
+            start += n
+    return out
 
 
 def _slice(g: torch.Tensor, bp: BlockPlan, dtype: torch.dtype) -> torch.Tensor:

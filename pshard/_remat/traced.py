@@ -120,11 +120,12 @@ def call(
     regions.policies.append(policy)
 
     def name(x: torch.Tensor, label: str) -> None:
-        # the name is the value's, and of what wrote its data (through views, as in eager code)
+        # the name is the value's, and that of what its data was viewed or copied from (the
+        # gather whose output a unit's weights are slices of)
         node: Node | None = compat.node_of(x, tracer)
         while node is not None:
             node.meta[_NAMES] = (*node.meta.get(_NAMES, ()), label)
-            node = _viewed(node)
+            node = _copied(node)
 
     before = compat.last_node(graph)
     token = NAMER.set(name)
@@ -208,11 +209,7 @@ def _recompute(
         stack.extend(a for a in n.all_input_nodes if a in inside and a not in kept)
     first = min((u for n in wanted for u in readers[n]), key=order.__getitem__)
     ordered = sorted(needed, key=order.__getitem__)
-    inputs = sorted(
-        {a for n in ordered for a in n.all_input_nodes if a not in needed},
-        key=order.__getitem__,
-    )
-    fenced = _fenced(ordered, inputs)
+    fenced = _fenced(ordered)
     after = _reached(first, inside)
     env: dict[Node, Node] = {}
     with graph.inserting_before(first):
@@ -237,25 +234,45 @@ def _recompute(
             u.replace_input_with(n, env[n])
 
 
-def _fenced(ordered: list[Node], inputs: list[Node]) -> list[Node]:
-    """The inputs of a recompute that pass through the barrier: every tensor computed by the
-    program, and where an operation reads only the program's inputs (a first layer's ``x @ w``,
-    a gather of a parameter's block), the smallest of those (the batch, not the weight), so
-    that every operation of the recompute waits for the barrier."""
-    fenced = [a for a in inputs if a.op == "call_function" and _is_tensor(a)]
-    behind = set(fenced)
+def _fenced(ordered: list[Node]) -> list[Node]:
+    """The values a recompute reads that pass through the barrier: those its computations
+    (not its views) read, through views, that the program computed before (a region's input,
+    a value it keeps); where a computation reads only the program's inputs (a first layer's
+    ``x @ w``, a gather of a parameter's block), the smallest of those (the batch, not the
+    weight), so that every computation of the recompute waits for the barrier."""
+    needed = set(ordered)
+
+    def source(a: Node) -> Node:
+        while a in needed and _viewed(a) is not None:
+            a = _viewed(a)  # type: ignore[assignment]
+        return a
+
+    fenced: list[Node] = []
+    behind: set[Node] = set()
     for n in ordered:
-        if any(a in behind for a in n.all_input_nodes):
+        if _viewed(n) is not None:
+            continue  # a view computes nothing: nothing to merge
+        sources = [source(a) for a in n.all_input_nodes]
+        outside = [a for a in sources if a not in needed and _is_tensor(a)]
+        computed = [a for a in outside if not _is_input(a)]
+        fenced.extend(a for a in computed if a not in fenced)
+        if computed or any(a in behind for a in sources):
             behind.add(n)
             continue
-        if _viewed(n) is not None:
-            continue  # a view of an input: nothing computed, nothing to merge
-        given = [a for a in n.all_input_nodes if a.op == "placeholder" and _is_tensor(a)]
+        given = [a for a in outside if _is_input(a)]
         if given:
             smallest = min(given, key=_size)
-            fenced.append(smallest)
-            behind.update((smallest, n))
-    return sorted(set(fenced), key=fenced.index)
+            if smallest not in fenced:
+                fenced.append(smallest)
+            behind.add(n)
+    return fenced
+
+
+def _is_input(n: Node) -> bool:
+    """Whether ``n`` is an input of the program (or a constant), or a view of one."""
+    while _viewed(n) is not None:
+        n = _viewed(n)  # type: ignore[assignment]
+    return n.op in ("placeholder", "get_attr")
 
 
 def _size(n: Node) -> int:
@@ -274,6 +291,16 @@ def _viewed(n: Node) -> Node | None:
     ):
         return n.args[0]
     return None
+
+
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
+
+
+def _copied(n: Node) -> Node | None:
+    """What ``n`` is a view or a plain copy of (``None``: neither)."""
+    if n.op == "call_function" and n.target in _COPIES and isinstance(n.args[0], Node):
+        return n.args[0]
+    return _viewed(n)
 
 
 def _reached(first: Node, inside: set[Node]) -> list[Node]:
