@@ -535,9 +535,11 @@ def test_load_what_save_pretrained_wrote(pool, tmp_path, mesh) -> None:
 # ---------------------------------------------------------------- ps.jit
 
 
-def rank_under_jit() -> tuple:
+def rank_under_jit(remat: bool) -> tuple:
     ps.init_mesh({"ep": 2})
     model = build("qwen3_moe")
+    if remat:
+        ps.checkpoint_layers(model.train())
     b = batch(4)
     count = (b["labels"][:, 1:] != -100).sum()
     specs = ps.expert_parallel_specs(model)
@@ -549,15 +551,18 @@ def rank_under_jit() -> tuple:
 
     jitted = ps.jit(grads, backend="aot_eager")
     got, want = jitted(params, b), grads(params, b)
-    collectives = {name for name, _ in jitted.lower(params, b).collectives}
+    collectives = [name for name, _ in jitted.lower(params, b).collectives]
     return [(got[k].local, want[k].local) for k in want], jitted.cache_size(), collectives
 
 
 def test_under_jit(pool) -> None:
-    """The whole gradient of a Qwen3-MoE under expert parallelism as one program: the counts
-    of the exchanges are data of the program (aot_eager: inductor cannot yet compile the
-    programs whose sizes depend on data, and says so)."""
-    for r, (pairs, programs, collectives) in enumerate(pool.run(2, rank_under_jit)):
+    """The whole gradient of a Qwen3-MoE under expert parallelism, its layers checkpointed, as
+    one program: the counts of the exchanges are data of the program (aot_eager: inductor
+    cannot yet compile the programs whose sizes depend on data, and says so), and the backward
+    exchanges the tokens again: dispatch and combine of 2 layers, their transposes, and the
+    recompute's (12; 8 without checkpoints)."""
+    for r, (pairs, programs, collectives) in enumerate(pool.run(2, rank_under_jit, True)):
         for got, want in pairs:
             torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
-        assert programs == 1 and {"ragged_all_to_all", "all_to_all"} <= collectives
+        assert programs == 1 and {"ragged_all_to_all", "all_to_all"} <= set(collectives)
+        assert collectives.count("ragged_all_to_all") == 12, collectives
