@@ -513,3 +513,36 @@ def test_torch_compile_of_a_step_does_not_recompile_on_values() -> None:
             params, state = compiled(params, state, g)
         eager = step(*eager, g)
     torch.testing.assert_close(params["w"], eager[0]["w"], **EXACT)
+
+
+def rank_weighted_microbatches_and_sequences() -> list:
+    ps.init_mesh({"x": 2})
+    w, d = _x(0, 4, 4), _x(0, 6, 4, seed=1)
+    mask = torch.tensor([1, 1, 0, 1, 0, 0], dtype=f64)
+
+    def weighted(w, d, m):  # an exact token-weighted mean over microbatches
+        return ps.pmap_microbatch(
+            lambda w, d, m: (((d @ w) ** 2).sum(-1) * m).sum() / m.sum().clamp(min=1),
+            num_microbatches=3, in_specs=(None, ps.Shard(0), ps.Shard(0)),
+            out_specs=ps.Partial("mean"), weight_fn=lambda w, d, m: m.sum(),
+        )(w, d, m)  # fmt: skip
+
+    x = _x(0, 2, 9, 4, seed=2)  # 9 tokens over 2 ranks: padded
+
+    def seq(w, x):
+        body = lambda w, x: ps.psum((torch.tanh(x @ w) ** 2).sum(), "x")  # noqa: E731
+        return ps.shard_map_seq(
+            body, axis="x", in_specs=(ps.Replicate(), ps.Shard(1)), out_specs=ps.Replicate()
+        )(w, x)
+
+    out = []
+    for f, args in ((torch.func.grad(weighted), (w, d, mask)), (torch.func.grad(seq), (w, x))):
+        out.append((ps.jit(f, backend=AOT)(*args), f(*args)))
+    return out
+
+
+def test_weighted_microbatches_and_padded_sequences_under_jit(pool) -> None:
+    """pmap_microbatch's token-weighted mean (weight_fn) and shard_map_seq with padding."""
+    for r, pairs in enumerate(pool.run(2, rank_weighted_microbatches_and_sequences)):
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
