@@ -535,11 +535,9 @@ def test_load_what_save_pretrained_wrote(pool, tmp_path, mesh) -> None:
 # ---------------------------------------------------------------- ps.jit
 
 
-def rank_under_jit(remat: bool) -> tuple:
+def rank_under_jit() -> tuple:
     ps.init_mesh({"ep": 2})
-    model = build("qwen3_moe")
-    if remat:
-        ps.checkpoint_layers(model.train())
+    model = build("qwen3_moe").train()
     b = batch(4)
     count = (b["labels"][:, 1:] != -100).sum()
     specs = ps.expert_parallel_specs(model)
@@ -549,10 +547,12 @@ def rank_under_jit(remat: bool) -> tuple:
         with ps.expert_parallel(model):
             return torch.func.grad(lambda p: _loss(model, specs, b, count, ("ep",))(p, b)[0])(p)
 
-    jitted = ps.jit(grads, backend="aot_eager")
-    got, want = jitted(params, b), grads(params, b)
-    collectives = [name for name, _ in jitted.lower(params, b).collectives]
-    return [(got[k].local, want[k].local) for k in want], jitted.cache_size(), collectives
+    want = grads(params, b)  # eager, without checkpoints (the same numbers)
+    ps.checkpoint_layers(model)
+    lowered = ps.jit(grads).lower(params, b)
+    got = lowered.compile("aot_eager")(params, b)
+    collectives = [name for name, _ in lowered.collectives]
+    return [(got[k].local, want[k].local) for k in want], collectives
 
 
 def test_under_jit(pool) -> None:
@@ -561,8 +561,8 @@ def test_under_jit(pool) -> None:
     cannot yet compile the programs whose sizes depend on data, and says so), and the backward
     exchanges the tokens again: dispatch and combine of 2 layers, their transposes, and the
     recompute's (12; 8 without checkpoints)."""
-    for r, (pairs, programs, collectives) in enumerate(pool.run(2, rank_under_jit, True)):
+    for r, (pairs, collectives) in enumerate(pool.run(2, rank_under_jit)):
         for got, want in pairs:
             torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
-        assert programs == 1 and {"ragged_all_to_all", "all_to_all"} <= set(collectives)
+        assert {"ragged_all_to_all", "all_to_all"} <= set(collectives)
         assert collectives.count("ragged_all_to_all") == 12, collectives
