@@ -328,7 +328,7 @@ def test_microbatches_of_checkpointed_code_in_a_program() -> None:
     assert _count(jitted.lower(w, d).graph, "remat_barrier") == 3
 
 
-def rank_sharded_call_layouts(world: int, spec: tuple) -> list:
+def rank_sharded_call_layouts(world: int, spec: tuple, dtype: torch.dtype | None) -> list:
     mesh = {"dp": world} if len(spec) == 1 else {"dp": 2, "tp": 2}
     ps.init_mesh(mesh)
     torch.manual_seed(0)
@@ -342,8 +342,10 @@ def rank_sharded_call_layouts(world: int, spec: tuple) -> list:
 
     def loss(params, x):
         def body(blocks, x):
-            out = ps.sharded_call(model, blocks, (x,), specs=specs, units=[torch.nn.Linear])
-            return ps.psum((out**2).sum(), "dp")
+            out = ps.sharded_call(
+                model, blocks, (x,), specs=specs, units=[torch.nn.Linear], param_dtype=dtype
+            )
+            return ps.psum((out.double() ** 2).sum(), "dp")
 
         return ps.shard_map(body, in_specs=(specs, P("dp")), out_specs=P())(params, x)
 
@@ -352,10 +354,17 @@ def rank_sharded_call_layouts(world: int, spec: tuple) -> list:
     return [(got[k].local, want[k].local) for k in want]
 
 
-@pytest.mark.parametrize("world, spec", [(3, ("dp",)), (4, ("dp", "tp"))])
-def test_sharded_call_programs_with_uneven_and_nested_blocks(pool, world, spec) -> None:
-    """A unit's parameters gathered in one exchange per axis: blocks of 10, 5 and 3 rows over
-    3 ranks (padded), and split over two axes (the second level per parameter)."""
-    for r, pairs in enumerate(pool.run(world, rank_sharded_call_layouts, world, spec)):
+@pytest.mark.parametrize(
+    "world, spec, dtype",
+    [(3, ("dp",), None), (4, ("dp", "tp"), None), (2, ("dp",), torch.float32)],
+)
+def test_sharded_call_programs_with_uneven_and_nested_blocks(pool, world, spec, dtype) -> None:
+    """A unit's parameters gathered in one exchange per axis and dtype: blocks of 10, 5 and
+    3 rows over 3 ranks (padded), split over two axes (the second level per parameter), and
+    mixed precision (float64 masters gathered and computed in float32, their gradients
+    reduced in float32): eager's numbers."""
+    tol = EXACT if dtype is None else {"rtol": 1e-6, "atol": 1e-6}
+    for r, pairs in enumerate(pool.run(world, rank_sharded_call_layouts, world, spec, dtype)):
         for got, want in pairs:
-            torch.testing.assert_close(got, want, **EXACT, msg=f"rank {r}")
+            assert got.dtype == want.dtype == f64
+            torch.testing.assert_close(got, want, **tol, msg=f"rank {r}")
