@@ -77,8 +77,8 @@ def dispatch(
     coming = got[:, :-1]
     rows, counts = ragged_all_to_all(hidden[tokens[order]], per_expert.sum(dim=1), axis)
     expert_of = torch.arange(local, device=hidden.device).repeat(size)
-    expert_of = expert_of.repeat_interleave(coming.reshape(-1))
-    same_size(expert_of.shape[0], rows.shape[0])  # (traced: one count, two symbols)
+    # as many as the rows received (the counts' sum): no size of its own to find, no sync
+    expert_of = expert_of.repeat_interleave(coming.reshape(-1), output_size=rows.shape[0])
     out = part.run_experts(module, rows, expert_of)
     back, _ = ragged_all_to_all(out, counts, axis)
     same_size(back.shape[0], order.shape[0])
