@@ -25,6 +25,8 @@ value computed again is the value computed the first time). Then, for each outer
   compilers can neither merge the recompute with the forward (its inputs are new values) nor
   move it before the backward needs it (JAX's ``optimization_barrier``).
 
+An ``offload`` policy keeps what it saves on the device in a program (no copies to the CPU).
+
 Internal interface: :func:`recording`, :func:`recording_active`, :func:`call`,
 :func:`rematerialize`, :class:`Regions`.
 """
