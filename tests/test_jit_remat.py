@@ -368,3 +368,20 @@ def test_sharded_call_programs_with_uneven_and_nested_blocks(pool, world, spec, 
         for got, want in pairs:
             assert got.dtype == want.dtype == f64
             torch.testing.assert_close(got, want, **tol, msg=f"rank {r}")
+
+
+def test_a_program_without_a_backward_is_left_as_traced() -> None:
+    """A checkpointed call in a program that differentiates nothing: one forward, no barrier,
+    the program as traced (not made functional: an in-place write stays one)."""
+    ps.init_mesh({"x": 1})
+
+    def f(w, x):
+        h = ps.checkpoint(lambda w, x: torch.tanh(x @ w))(w, x)
+        return h.mul_(2)
+
+    w, x = _x(0, 4, 4), _x(1, 3, 4)
+    jitted = ps.jit(f, backend=AOT)
+    torch.testing.assert_close(jitted(w, x), f(w, x), **EXACT)
+    graph = jitted.lower(w, x).graph
+    assert _count(graph, "remat_barrier") == 0 and _count(graph, "aten.tanh.") == 1
+    assert _count(graph, "aten.mul_.") == 1

@@ -153,12 +153,14 @@ def rematerialize(
     gm: GraphModule, regions: Regions, renamed: Callable[[Node, int], tuple[Any, ...] | None]
 ) -> GraphModule:
     """``gm`` with what its regions' policies do not keep computed again where the rest of the
-    program reads it (see the module docs); ``gm`` itself when it has no region.
+    program reads it (see the module docs); ``gm`` itself when it has no region or no
+    backward.
 
     ``renamed(node, k)`` gives the arguments of the ``k``-th copy of a node that needs others
     (a collective issued again has a key of its own), or ``None``."""
-    if not regions.policies or not any(_TAG in n.meta for n in gm.graph.nodes):
-        return gm
+    nodes = gm.graph.nodes
+    if not any(_TAG in n.meta for n in nodes) or not any(_BACKWARD in n.meta for n in nodes):
+        return gm  # no checkpoint, or nothing differentiated: nothing to compute again
 
     def made(old: Node, new: list[Node]) -> None:
         for key in _KEYS:
