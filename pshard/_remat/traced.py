@@ -158,8 +158,8 @@ def rematerialize(
 
     ``renamed(node, k)`` gives the arguments of the ``k``-th copy of a node that needs others
     (a collective issued again has a key of its own), or ``None``."""
-    nodes = gm.graph.nodes
-    if not any(_TAG in n.meta for n in nodes) or not any(_BACKWARD in n.meta for n in nodes):
+    traced = gm.graph.nodes
+    if not any(_TAG in n.meta for n in traced) or not any(_BACKWARD in n.meta for n in traced):
         return gm  # no checkpoint, or nothing differentiated: nothing to compute again
 
     def made(old: Node, new: list[Node]) -> None:
