@@ -6,7 +6,7 @@ passes through their calls).
 
 Internal interface: ``own_forward(module, saved)``, ``set_forward(module, forward) -> undo``,
 ``set_name(namespace, name, value) -> undo``, :class:`Root`, :func:`install_counted`,
-:func:`patched`, :class:`Runs`.
+:func:`patched`, :class:`Runs`, :class:`Part`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import nn
 from .passes import recorded
 
 __all__ = [
+    "Part",
     "Root",
     "Runs",
     "install_counted",
@@ -130,10 +131,14 @@ def _restore(root: Root) -> None:
 
 class Runs:
     """The blocks of one kind running in this context (a context variable of runs, each with
-    its ``model``), and those the running backward pass recorded."""
+    its ``model``), those the running backward pass recorded, and how a run is installed on
+    its model (``install(run) -> undo``)."""
 
-    def __init__(self, var: contextvars.ContextVar[tuple[Any, ...]], kind: type) -> None:
-        self._var, self._kind = var, kind
+    def __init__(self, name: str, kind: type, install: Callable[[Any], Callable[[], None]]) -> None:
+        self._var: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+            name, default=()
+        )
+        self._kind, self._install = kind, install
 
     def active(self, model: nn.Module) -> Any:
         """The innermost run of ``model`` in this context, else the one the running backward
@@ -147,12 +152,24 @@ class Runs:
         return None
 
     @contextlib.contextmanager
-    def running(self, run: Any, install: Callable[[Any], Callable[[], None]]) -> Iterator[Any]:
-        """The block: ``run`` pushed on the context and installed (``install(run) -> undo``)."""
-        undo = install(run)
+    def running(self, run: Any) -> Iterator[Any]:
+        """The block: ``run`` pushed on the context and installed on its model."""
+        undo = self._install(run)
         token = self._var.set((*self._var.get(), run))
         try:
             yield run
         finally:
             self._var.reset(token)
             undo()
+
+
+class Part:
+    """A submodule's ``forward`` while its model is installed (subclasses call it): the model,
+    the submodule and its name in the model, and its own ``forward`` before the patch."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, name: str, saved: Any) -> None:
+        self.model, self.module, self.name, self.saved = model, module, name, saved
+
+    def own(self) -> Callable[..., Any]:
+        """The submodule's own ``forward``."""
+        return own_forward(self.module, self.saved)

@@ -29,7 +29,6 @@ Internal interface: ``Run`` (``backward_scope``), ``running(run)``.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import inspect
 import math
@@ -45,6 +44,7 @@ from .._collectives.functions import psum
 from .._modules.adapter import ExpertsPart
 from .._modules.passes import record_for_backward
 from .._modules.patches import (
+    Part,
     Root,
     Runs,
     install_counted,
@@ -63,9 +63,6 @@ _FN = "expert_parallel"
 _NUM_ITEMS = "num_items_in_batch"
 _SUMMED = ("loss", "aux_loss")
 
-_RUNS: contextvars.ContextVar[tuple[Run, ...]] = contextvars.ContextVar(
-    "pshard_expert_parallel", default=()
-)
 # the load-balancing loss of the model call running now (read by the family's loss function)
 _CALL: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
     "pshard_expert_parallel_call", default=None
@@ -110,33 +107,21 @@ class Run:
         return axes
 
 
-_BLOCKS = Runs(_RUNS, Run)
+# the runs of this kind of block in this context
+_BLOCKS = Runs("pshard_expert_parallel", Run, lambda run: _install(run))
+active_run = _BLOCKS.active  # (model) -> the innermost run of it, or the recorded one, or None
+running = _BLOCKS.running  # (run): the block, the run pushed on the context and installed
 
 
-def active_run(model: nn.Module) -> Run | None:
-    """The innermost run of ``model`` in this context, else the one the running backward
-    pass recorded, else ``None``."""
-    run: Run | None = _BLOCKS.active(model)
-    return run
-
-
-def running(run: Run) -> contextlib.AbstractContextManager[Run]:
-    """The block: ``run`` pushed on the context and installed on its model."""
-    return _BLOCKS.running(run, _install)
-
-
-class _Experts:
+class _Experts(Part):
     """An experts module's ``forward`` while its model is installed."""
-
-    def __init__(self, model: nn.Module, module: nn.Module, name: str, saved: Any) -> None:
-        self.model, self.module, self.name, self.saved = model, module, name, saved
 
     def __call__(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         run = active_run(self.model)
         if run is None:
-            return own_forward(self.module, self.saved)(hidden, top_k_index, top_k_weights)
+            return self.own()(hidden, top_k_index, top_k_weights)
         count, local = run.resolved.experts[self.name]
         for p in run.part.experts_parameters(self.module):
             held = getattr(self.module, p)

@@ -27,8 +27,6 @@ manager: the run pushed and installed), ``active_run(model)``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +37,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._collectives.functions import axis_index
 from .._modules.adapter import TensorParallelParts
 from .._modules.passes import record_for_backward
-from .._modules.patches import Root, Runs, install_counted, own_forward, patched, set_forward
+from .._modules.patches import (
+    Part,
+    Root,
+    Runs,
+    install_counted,
+    own_forward,
+    patched,
+    set_forward,
+)
 from .._runtime.mesh import use_mesh
 from ._layers import Split, run_layer
 from ._plan import Resolved
@@ -48,9 +54,6 @@ __all__ = ["Run", "active_run", "running"]
 
 _FN = "tensor_parallel"
 
-_RUNS: contextvars.ContextVar[tuple[Run, ...]] = contextvars.ContextVar(
-    "pshard_tensor_parallel", default=()
-)
 
 # guards the install counts of models shared by threads (ranks of one process)
 _LOCK = threading.Lock()
@@ -92,29 +95,17 @@ class Run:
         return _install(self)
 
 
-_BLOCKS = Runs(_RUNS, Run)
+# the runs of this kind of block in this context
+_BLOCKS = Runs("pshard_tensor_parallel", Run, lambda run: _install(run))
+active_run = _BLOCKS.active  # (model) -> the innermost run of it, or the recorded one, or None
+running = _BLOCKS.running  # (run): the block, the run pushed on the context and installed
 
 
-def active_run(model: nn.Module) -> Run | None:
-    """The innermost run of ``model`` in this context, else the one the running backward
-    pass recorded, else ``None``."""
-    run: Run | None = _BLOCKS.active(model)
-    return run
-
-
-def running(run: Run) -> contextlib.AbstractContextManager[Run]:
-    """The block: ``run`` pushed on the context and installed on its model."""
-    return _BLOCKS.running(run, _install)
-
-
-class _Forward:
+class _Forward(Part):
     """A split layer's ``forward`` while its model is installed."""
 
-    def __init__(self, model: nn.Module, module: nn.Module, name: str, saved: Any) -> None:
-        self.model, self.module, self.name, self.saved = model, module, name, saved
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        own = own_forward(self.module, self.saved)
+        own = self.own()
         run = active_run(self.model)
         if run is None:
             return own(*args, **kwargs)
