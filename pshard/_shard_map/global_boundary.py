@@ -88,10 +88,15 @@ def _check_mesh(x: GlobalTensor, where: str, view: MeshView) -> None:
             f"{list(x.meta.key.ranks)}), but this map runs on mesh {key.text()} (ranks "
             f"{list(key.ranks)}); move it with ps.reshard(x, spec, mesh=...) first"
         )
+    _check_local(x, where, view)
+    check_block(x.local, x.meta, view, view.fn, where)
+
+
+def _check_local(x: GlobalTensor, where: str, view: MeshView) -> None:
+    """``x``'s block is a tensor, unmodified since ``x`` was made."""
     if not isinstance(x.local, torch.Tensor):
         raise TypeError(f"{view.fn} {where}: the GlobalTensor's block is {describe(x.local)}")
     check_unmodified(x, view.fn, where)
-    check_block(x.local, x.meta, view, view.fn, where)
 
 
 def _foreign(x: GlobalTensor, view: MeshView) -> bool:
@@ -128,9 +133,7 @@ def _hand_on(
             f"none of whose axes this map maps ({view.mapped}), under the spec {spec!r}; the map "
             f"hands it on as it is (the same on every rank of the mapped axes): give it None"
         )
-    if not isinstance(x.local, torch.Tensor):
-        raise TypeError(f"{view.fn} {where}: the GlobalTensor's block is {describe(x.local)}")
-    check_unmodified(x, view.fn, where)
+    _check_local(x, where, view)
     lay = block_layout(P(), x.ndim, where, view)
     guard = None
     if check and lay.rep is not None:
