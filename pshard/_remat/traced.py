@@ -45,7 +45,8 @@ from torch.fx import Graph, GraphModule, Node
 from .. import _compat as compat
 from .function import flatten
 from .names import NAMER, checkpoint_name
-from .policies import Policy, is_p2p
+from .ops import op_kind
+from .policies import Policy
 
 __all__ = ["Regions", "call", "recording", "recording_active", "rematerialize"]
 
@@ -291,7 +292,7 @@ def _viewed(n: Node) -> Node | None:
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], Node):
         return None
     if n.target is operator.getitem or (
-        isinstance(n.target, compat.OpOverload) and n.target.is_view
+        isinstance(n.target, compat.OpOverload) and op_kind(n.target) == "view"
     ):
         return n.args[0]
     return None
@@ -329,12 +330,13 @@ def _kept(n: Node, region: int, regions: Regions) -> bool:
     if n.op != "call_function" or not isinstance(n.target, compat.OpOverload):
         return False
     op = n.target
-    if torch.Tag.nondeterministic_seeded in op.tags:
+    kind = op_kind(op)
+    if kind == "random":
         return True  # the forward's numbers, not drawn again
     policy = regions.policies[n.meta[_TAG][-1]]
     value = n.meta.get("val")
     keep = False
-    if not (op.is_view or not n.all_input_nodes or is_p2p(op)):
+    if kind in ("compute", "collective"):  # what eager code asks a policy about
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
         keep = bool(policy(op, *args, **kwargs))
     for label in n.meta.get(_NAMES, ()):
