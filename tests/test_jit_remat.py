@@ -61,7 +61,7 @@ def _peak(graph: torch.fx.GraphModule) -> int:
 # ---------------------------------------------------------------- compute recomputed
 
 
-def _deep(policy, layers: int = 6):
+def _deep(policy):
     def layer(w, h):
         a = ps.checkpoint_name(torch.tanh(h @ w), "a")
         return torch.sin(a) * a + h
@@ -106,13 +106,19 @@ def test_the_policy_decides_what_the_program_computes_again(
 
 def test_the_recompute_waits_for_the_backward_under_inductor() -> None:
     """Inductor keeps the recompute (the barrier's copies are new values it cannot merge
-    with the forward's) and computes the same numbers."""
+    with the forward's: the generated code computes tanh twice per layer, once without
+    checkpoints) and computes the same numbers."""
+    from torch._inductor.utils import run_and_get_code
+
     ps.init_mesh({"x": 1})
     ws = [_x(i, 8, 8) / 3 for i in range(2)]
     x = _x(9, 4, 8)
-    f = _deep(policies.nothing_saveable, layers=2)
-    got = ps.jit(f, backend="inductor")(ws, x)
-    torch.testing.assert_close(got, f(ws, x), rtol=1e-9, atol=1e-12)
+    for policy, tanhs in ((policies.nothing_saveable, 4), (policies.everything_saveable, 2)):
+        f = _deep(policy)
+        jitted = ps.jit(f, backend="inductor")
+        got, code = run_and_get_code(lambda: jitted(ws, x))  # noqa: B023
+        torch.testing.assert_close(got, f(ws, x), rtol=1e-9, atol=1e-12)
+        assert "\n".join(code).count("tanh(") == tanhs
 
 
 # ---------------------------------------------------------------- collectives issued again
