@@ -6,7 +6,7 @@ passes through their calls).
 
 Internal interface: ``own_forward(module, saved)``, ``set_forward(module, forward) -> undo``,
 ``set_name(namespace, name, value) -> undo``, :class:`Root`, :func:`install_counted`,
-:func:`patched`, :class:`Runs`, :class:`Part`.
+:func:`patched`, :class:`Runs`, :class:`Part`, :func:`patch_parts`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch import nn
@@ -27,6 +27,7 @@ __all__ = [
     "Runs",
     "install_counted",
     "own_forward",
+    "patch_parts",
     "patched",
     "set_forward",
     "set_name",
@@ -76,6 +77,10 @@ class Root:
         self.model, self.saved, self.key = model, saved, key
         self.count = 0
         self.undo: list[Callable[[], None]] = []
+
+    def own(self) -> Callable[..., Any]:
+        """The model's own ``forward``."""
+        return own_forward(self.model, self.saved)
 
 
 def install_counted(
@@ -130,15 +135,26 @@ def _restore(root: Root) -> None:
 
 
 class Runs:
-    """The blocks of one kind running in this context (a context variable of runs, each with
-    its ``model``), those the running backward pass recorded, and how a run is installed on
-    its model (``install(run) -> undo``)."""
+    """One kind of block (``tensor_parallel``, ``expert_parallel``): its runs in this context
+    (a context variable of runs, each with its ``model`` and layout ``key``), those the running
+    backward pass recorded, and how a run is installed on its model: ``root`` (a
+    :class:`Root` subclass) becomes the model's ``forward`` after ``patch(run, root)`` patched
+    the rest, counted per model; ``clash(run)`` is the error for a model that holds a block of
+    this kind with another key."""
 
-    def __init__(self, name: str, kind: type, install: Callable[[Any], Callable[[], None]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        kind: type,
+        root: type[Root],
+        patch: Callable[[Any, Root], None],
+        clash: Callable[[Any], str],
+    ) -> None:
         self._var: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
             name, default=()
         )
-        self._kind, self._install = kind, install
+        self._kind, self._root, self._patch, self._clash = kind, root, patch, clash
+        self._lock = threading.Lock()  # the install counts of models threads share
 
     def active(self, model: nn.Module) -> Any:
         """The innermost run of ``model`` in this context, else the one the running backward
@@ -151,10 +167,19 @@ class Runs:
                 return entry
         return None
 
+    def install(self, run: Any) -> Callable[[], None]:
+        """Install ``run`` on its model (or count one more install); returns the undo."""
+        model, key = run.model, run.key
+
+        def make(saved: Any) -> Root:
+            return patched(self._root(model, saved, key), lambda root: self._patch(run, root))
+
+        return install_counted(model, key, self._root, make, self._lock, self._clash(run))
+
     @contextlib.contextmanager
     def running(self, run: Any) -> Iterator[Any]:
         """The block: ``run`` pushed on the context and installed on its model."""
-        undo = self._install(run)
+        undo = self.install(run)
         token = self._var.set((*self._var.get(), run))
         try:
             yield run
@@ -173,3 +198,12 @@ class Part:
     def own(self) -> Callable[..., Any]:
         """The submodule's own ``forward``."""
         return own_forward(self.module, self.saved)
+
+
+def patch_parts(root: Root, names: Iterable[str], part: type[Part]) -> None:
+    """Patch each submodule of ``root``'s model named in ``names`` with ``part`` (the undo of
+    each in ``root.undo``)."""
+    for name in names:
+        module = root.model.get_submodule(name)
+        saved = module.__dict__.get("forward")
+        root.undo.append(set_forward(module, part(root.model, module, name, saved)))

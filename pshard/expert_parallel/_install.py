@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextvars
 import inspect
 import math
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -47,9 +46,7 @@ from .._modules.patches import (
     Part,
     Root,
     Runs,
-    install_counted,
-    own_forward,
-    patched,
+    patch_parts,
     set_forward,
     set_name,
 )
@@ -67,9 +64,6 @@ _SUMMED = ("loss", "aux_loss")
 _CALL: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
     "pshard_expert_parallel_call", default=None
 )
-
-# guards the install counts of models shared by threads (ranks of one process)
-_LOCK = threading.Lock()
 
 
 class Run:
@@ -90,7 +84,7 @@ class Run:
 
     def backward_scope(self) -> Callable[[], None]:
         """A backward pass through a call of the block: the model patched again until it ends."""
-        return _install(self)
+        return _BLOCKS.install(self)
 
     def batch_axes(self) -> tuple[str, ...]:
         """The axes of the enclosing map (the ranks whose tokens make the batch), which must
@@ -105,12 +99,6 @@ class Run:
                 f"{self.axis!r}, each rank its block of the experts and its own tokens"
             )
         return axes
-
-
-# the runs of this kind of block in this context
-_BLOCKS = Runs("pshard_expert_parallel", Run, lambda run: _install(run))
-active_run = _BLOCKS.active  # (model) -> the innermost run of it, or the recorded one, or None
-running = _BLOCKS.running  # (run): the block, the run pushed on the context and installed
 
 
 class _Experts(Part):
@@ -144,7 +132,7 @@ class _Root(Root):
     """The model's ``forward`` while it is installed (see the module docs)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        own = own_forward(self.model, self.saved)
+        own = self.own()
         run = active_run(self.model)
         if run is None:
             return own(*args, **kwargs)
@@ -210,27 +198,17 @@ def _sum_losses(out: Any, axes: tuple[str, ...]) -> Any:
     return out
 
 
-def _install(run: Run) -> Callable[[], None]:
-    """Install ``run``'s patches on its model (or count one more install); returns the undo."""
-    model = run.model
-    clash = (
-        f"{_FN}({type(model).__name__}): the model is already split by another "
+def _clash(run: Run) -> str:
+    return (
+        f"{_FN}({type(run.model).__name__}): the model is already split by another "
         f"expert_parallel block (another axis or size); one model runs under one layout at a "
         f"time"
     )
-    return install_counted(
-        model, run.key, _Root, lambda saved: patched(_Root(model, saved, run.key),
-                                                     lambda root: _patch(run, root)),
-        _LOCK, clash,
-    )  # fmt: skip
 
 
 def _patch(run: Run, root: Root) -> None:
     model = run.model
-    for name in run.resolved.experts:
-        module = model.get_submodule(name)
-        saved = module.__dict__.get("forward")
-        root.undo.append(set_forward(module, _Experts(model, module, name, saved)))
+    patch_parts(root, run.resolved.experts, _Experts)
     slot = run.part.balance_loss_slot(model)
     if slot is not None:
         root.undo.append(_patch_balance(*slot))
@@ -253,3 +231,9 @@ def _patch_balance(namespace: dict[str, Any], name: str) -> Callable[[], None]:
             balance.restore()
 
     return undo
+
+
+# the runs of this kind of block in this context, and how they are installed
+_BLOCKS = Runs("pshard_expert_parallel", Run, _Root, _patch, _clash)
+active_run = _BLOCKS.active  # (model) -> the innermost run of it, or the recorded one, or None
+running = _BLOCKS.running  # (run): the block, the run pushed on the context and installed

@@ -27,7 +27,6 @@ manager: the run pushed and installed), ``active_run(model)``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,9 +40,7 @@ from .._modules.patches import (
     Part,
     Root,
     Runs,
-    install_counted,
-    own_forward,
-    patched,
+    patch_parts,
     set_forward,
 )
 from .._runtime.mesh import use_mesh
@@ -53,10 +50,6 @@ from ._plan import Resolved
 __all__ = ["Run", "active_run", "running"]
 
 _FN = "tensor_parallel"
-
-
-# guards the install counts of models shared by threads (ranks of one process)
-_LOCK = threading.Lock()
 
 
 class Run:
@@ -92,13 +85,7 @@ class Run:
 
     def backward_scope(self) -> Callable[[], None]:
         """A backward pass through a call of the block: the model split again until it ends."""
-        return _install(self)
-
-
-# the runs of this kind of block in this context
-_BLOCKS = Runs("pshard_tensor_parallel", Run, lambda run: _install(run))
-active_run = _BLOCKS.active  # (model) -> the innermost run of it, or the recorded one, or None
-running = _BLOCKS.running  # (run): the block, the run pushed on the context and installed
+        return _BLOCKS.install(self)
 
 
 class _Forward(Part):
@@ -119,34 +106,24 @@ class _Root(Root):
     the backward passes through them)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        own = own_forward(self.model, self.saved)
+        own = self.own()
         run = active_run(self.model)
         if run is None:
             return own(*args, **kwargs)
         return record_for_backward(own(*args, **kwargs), run)
 
 
-def _install(run: Run) -> Callable[[], None]:
-    """Install ``run``'s patches on its model (or count one more install); returns the undo."""
-    model = run.model
-    clash = (
-        f"{_FN}({type(model).__name__}): the model is already split by another "
+def _clash(run: Run) -> str:
+    return (
+        f"{_FN}({type(run.model).__name__}): the model is already split by another "
         f"tensor_parallel block (another plan, axis size or loss_parallel); one model runs "
         f"under one layout at a time"
     )
-    return install_counted(
-        model, run.key, _Root, lambda saved: patched(_Root(model, saved, run.key),
-                                                     lambda root: _patch(run, root)),
-        _LOCK, clash,
-    )  # fmt: skip
 
 
 def _patch(run: Run, root: Root) -> None:
     model, adapter = run.model, run.adapter
-    for name in run.resolved.layers:
-        module = model.get_submodule(name)
-        saved = module.__dict__.get("forward")
-        root.undo.append(set_forward(module, _Forward(model, module, name, saved)))
+    patch_parts(root, run.resolved.layers, _Forward)
     for name, heads, kv_heads in run.resolved.attention:
         assert adapter is not None  # only an adapter describes attention modules
         root.undo.append(adapter.localize_attention(model.get_submodule(name), heads, kv_heads))
@@ -155,3 +132,9 @@ def _patch(run: Run, root: Root) -> None:
         if undo is not None:
             root.undo.append(undo)
     root.undo.append(set_forward(model, root))
+
+
+# the runs of this kind of block in this context, and how they are installed
+_BLOCKS = Runs("pshard_tensor_parallel", Run, _Root, _patch, _clash)
+active_run = _BLOCKS.active  # (model) -> the innermost run of it, or the recorded one, or None
+running = _BLOCKS.running  # (run): the block, the run pushed on the context and installed
