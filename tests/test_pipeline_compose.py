@@ -207,6 +207,19 @@ class _Mlp(torch.nn.Module):
 _PLAN = {"up": "colwise", "down": "rowwise"}
 
 
+def _one_process(models, x, t):
+    """The loss of the stages' models run one after another in one process, backpropagated
+    into fresh leaves of their parameters (one dict per model)."""
+    leaves = [{k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+              for m in models]  # fmt: skip
+    h = x
+    for m, p in zip(models, leaves, strict=True):
+        h = torch.func.functional_call(m, p, (h,))
+    ref = sq_loss(h, t)
+    ref.backward()
+    return ref, leaves
+
+
 def rank_tensor_parallel(schedule):
     """Tensor parallelism within each stage (pp x tp on 4 ranks): each stage's parameters are
     GlobalTensors split over "tp" by the plan, and the stage is a map over "tp" computing
@@ -229,13 +242,7 @@ def rank_tensor_parallel(schedule):
     stage = ps.shard_map(body, mesh=mesh["tp"], in_specs=(specs, P()), out_specs=P())
     step = ps.pipeline_value_and_grad(stage, sq_loss, num_microbatches=3, schedule=schedule)
     loss, grads = step(params, x, t)
-    leaves = [{k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
-              for m in models]  # fmt: skip
-    h = x
-    for m, p in zip(models, leaves, strict=True):
-        h = torch.func.functional_call(m, p, (h,))
-    ref = sq_loss(h, t)
-    ref.backward()
+    ref, leaves = _one_process(models, x, t)
     want = {k: v.grad for k, v in leaves[ps.axis_index("pp")].items()}
     assert all(isinstance(g, ps.GlobalTensor) and g.spec == params[k].spec
                for k, g in grads.items())  # fmt: skip
@@ -286,13 +293,7 @@ def rank_dp_pp_tp():
         axis_names="dp",
     )  # fmt: skip
     loss, grads, norm, clipped = mapped(params, x, t)
-    leaves = [{k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
-              for m in models]  # fmt: skip
-    h = x
-    for m, p in zip(models, leaves, strict=True):
-        h = torch.func.functional_call(m, p, (h,))
-    ref = sq_loss(h, t)
-    ref.backward()
+    ref, leaves = _one_process(models, x, t)
     want = {k: v.grad for k, v in leaves[ps.axis_index("pp")].items()}
     assert all(isinstance(g, ps.GlobalTensor) and g.meta == params[k].meta
                for k, g in grads.items())  # fmt: skip
